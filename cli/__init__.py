@@ -1,0 +1,1 @@
+"""The Typer layer of legorl: one module per subcommand; `main` is the table of contents."""

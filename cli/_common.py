@@ -1,0 +1,74 @@
+"""What every legorl command shares: stderr console, JSONL input/output, one-line failures."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+from rich.console import Console
+
+from legorl.records import JsonlReader, R, RecordError, read_jsonl
+
+#: Human-facing output only; stdout carries records.
+console = Console(stderr=True, highlight=False)
+
+Inputs = Annotated[
+    list[Path] | None,
+    typer.Argument(help="JSONL files to read; none or '-' reads stdin.", show_default=False),
+]
+Out = Annotated[
+    Path | None,
+    typer.Option("--out", "-o", help="Append records to this file instead of stdout."),
+]
+SkipBad = Annotated[
+    bool,
+    typer.Option(
+        "--skip-bad", help="Skip malformed or invalid lines (counted on stderr) instead of failing."
+    ),
+]
+
+
+def fail(command: str, message: str, code: int = 1) -> NoReturn:
+    """One readable line on stderr, then exit with ``code``."""
+    console.print(f"legorl {command}: error: {message}", markup=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def not_built(command: str, issue: int) -> NoReturn:
+    """Stages that do not exist yet say so in one line and exit 2; they never fake output."""
+    console.print(
+        f"legorl {command}: not built yet (tracked in issue #{issue}); nothing was read or written.",
+        markup=False,
+        soft_wrap=True,
+    )
+    raise typer.Exit(2)
+
+
+def iter_inputs(
+    command: str,
+    paths: list[Path] | None,
+    expect: type[R] | tuple[type[R], ...] | None,
+    skip_bad: bool,
+) -> Iterator[R]:
+    """Records from each input in turn; bad lines fail the command or are counted (``--skip-bad``)."""
+    sources: list[str | Path] = list(paths) if paths else ["-"]
+    for source in sources:
+        if str(source) != "-" and not Path(source).is_file():
+            fail(command, f"{source}: no such file")
+        reader: JsonlReader[R] = read_jsonl(
+            "-" if str(source) == "-" else source, expect, skip_bad=skip_bad
+        )
+        try:
+            yield from reader
+        except RecordError as err:
+            fail(command, f"{err} (use --skip-bad to skip bad lines)")
+        if reader.skipped:
+            first = reader.errors[0] if reader.errors else ""
+            console.print(
+                f"legorl {command}: skipped {reader.skipped} bad line(s) in {reader.name}; "
+                f"first: {first}",
+                markup=False,
+                soft_wrap=True,
+            )

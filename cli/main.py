@@ -1,0 +1,56 @@
+"""legorl's command line: the table of contents. Each subcommand lives in its own module.
+
+legorl rollout … | legorl verify | legorl align | legorl train …
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from legorl.cli import align, cat, check, inspect, proxy, rollout, sandbox, train, verify
+
+from legorl import __version__
+
+app = typer.Typer(
+    name="legorl",
+    help="Harness-native reinforcement learning for coding agents. "
+    "Stages read and write JSONL records, so they pipe: "
+    "legorl rollout … | legorl verify | legorl align | legorl train …",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# Stages that are not built yet take any arguments, so they can say so instead of a usage error.
+_PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+app.command("proxy", context_settings=_PASS_THROUGH, help=proxy.HELP)(proxy.proxy)
+app.command("sandbox", context_settings=_PASS_THROUGH, help=sandbox.HELP)(sandbox.sandbox)
+app.command("rollout", context_settings=_PASS_THROUGH, help=rollout.HELP)(rollout.rollout)
+app.command("verify", context_settings=_PASS_THROUGH, help=verify.HELP)(verify.verify)
+app.command("align", context_settings=_PASS_THROUGH, help=align.HELP)(align.align)
+app.command("train", context_settings=_PASS_THROUGH, help=train.HELP)(train.train)
+app.command("inspect", context_settings=_PASS_THROUGH, help=inspect.HELP)(inspect.inspect)
+app.command("check", context_settings=_PASS_THROUGH, help=check.HELP)(check.check)
+app.command("cat")(cat.cat)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"legorl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    """Harness-native reinforcement learning for coding agents."""
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,53 @@
+"""nox sessions: the README's two commands and the checks around them.
+
+nox -s tests    # the whole suite, CPU
+nox -s lint     # ruff + mypy on src/
+nox -s bench    # writes bench.json: legorl beside its baselines, as ratios
+nox -s demo     # the main job on the embedded default (not built yet)
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["lint", "tests"]
+
+PYTHON = "3.11"
+
+
+def _install(session: nox.Session) -> None:
+    session.install("-e", ".[dev]")
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """The whole test suite on CPU."""
+    _install(session)
+    session.run("pytest", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff on everything, mypy on the library."""
+    session.install("ruff>=0.6", "mypy>=1.11", "orjson", "typer", "rich", "types-docker")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run("mypy")
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Benchmarks measured side by side in one run; the report goes to bench.json."""
+    _install(session)
+    session.run("python", "-m", "legorl.bench", "--out", "bench.json", *session.posargs)
+
+
+@nox.session(python=False)
+def demo(session: nox.Session) -> None:
+    """rollout → verify → align → train on the embedded default, on CPU."""
+    session.error(
+        "the demo loop is not built yet (tracked in issue #10): it needs the proxy, sandbox, "
+        "rollout, verify, align and train stages first."
+    )

@@ -1,0 +1,109 @@
+"""Shared test helpers: the repository root, and one valid record of each type."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from legorl.records import (
+    EnvRecipe,
+    Metric,
+    Sample,
+    Task,
+    TokenCounts,
+    ToolCall,
+    Trajectory,
+    Turn,
+    TurnFlags,
+    TurnOutput,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+IN_CI = os.environ.get("CI") == "true"
+
+
+def example_records() -> list:
+    """One record of every type, with nested parts filled in."""
+    turn0 = Turn(
+        session="traj-1",
+        turn=0,
+        segment=0,
+        segment_reason="start",
+        api="openai_chat",
+        model="tiny-qwen3",
+        requested_model="gpt-5",
+        prompt_offset=0,
+        prompt_delta=[1, 2, 3, 4],
+        completion_ids=[5, 6, 7],
+        completion_logprobs=[-0.25, -1.5, -0.0625],
+        finish_reason="tool_calls",
+        output=TurnOutput(
+            text="",
+            thinking="look first",
+            tool_calls=[ToolCall(id="call_1", name="bash", arguments='{"command":"ls"}')],
+        ),
+        timings={"queue_s": 0.001, "generate_s": 0.5},
+        time=1764500000.0,
+    )
+    turn1 = Turn(
+        session="traj-1",
+        turn=1,
+        segment=0,
+        api="openai_chat",
+        model="tiny-qwen3",
+        prompt_offset=7,
+        prompt_delta=[8, 9],
+        completion_ids=[10],
+        completion_logprobs=[-3.0],
+        finish_reason="stop",
+        flags=TurnFlags(realigned=1),
+    )
+    return [
+        Task(
+            instance_id="legorl-toy__geometry-1",
+            repo="legorl-toy/geometry",
+            base_commit="0" * 40,
+            problem_statement="area is wrong",
+            test_patch="diff --git a/tests/t.py b/tests/t.py\n",
+            FAIL_TO_PASS=["tests/t.py::test_area"],
+            PASS_TO_PASS=["tests/t.py::test_perimeter"],
+            version="0.1",
+            environment_setup_commit="0" * 40,
+            env=EnvRecipe(packages=["pytest"]),
+            meta={"family": "off_by_one"},
+        ),
+        turn0,
+        turn1,
+        Trajectory(
+            trajectory_id="traj-1",
+            task_id="legorl-toy__geometry-1",
+            group_id="legorl-toy__geometry-1",
+            sample_index=0,
+            harness="mini",
+            status="ok",
+            patch="diff --git a/g.py b/g.py\n",
+            turns=[turn0, turn1],
+            tokens=TokenCounts(prompt=6, completion=4),
+            reward=1.0,
+            verdict={"resolved": True},
+        ),
+        Sample(
+            sample_id="traj-1/0",
+            episode_id="traj-1",
+            group_id="legorl-toy__geometry-1",
+            segment_index=0,
+            segment_count=1,
+            input_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+            loss_mask=[0, 0, 0, 0, 1, 1, 1, 0, 0, 1],
+            rollout_logprobs=[-0.25, -1.5, -0.0625, -3.0],
+            reward=1.0,
+        ),
+        Metric(step=3, name="rollout_trainer_pearson", value=0.9993),
+    ]
+
+
+@pytest.fixture
+def records() -> list:
+    return example_records()
