@@ -1,0 +1,230 @@
+"""The toy task set in fixtures/tasks/: reproducible, well formed, and every task is solvable.
+
+Rebuilds the set into a temporary folder and compares the JSONL bytes, checks counts and the
+train/heldout split, then materialises every task from its bundle with ``legorl.tasks``: after
+``test_patch`` the FAIL_TO_PASS tests fail and PASS_TO_PASS pass, after the gold ``patch`` all
+of them pass, and the gold fix is nowhere in the bundle's history.
+
+    python -m pytest tests/test_toy_tasks.py -q
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from legorl.records import Task, read_jsonl
+from legorl.tasks import PatchError, TaskError, apply_patch, checkout
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS_DIR = ROOT / "fixtures" / "tasks"
+SPLITS = ("train", "heldout")
+FAMILIES = {
+    "wrong_operator",
+    "off_by_one",
+    "wrong_constant",
+    "swapped_arguments",
+    "missing_negation",
+    "wrong_comparison",
+    "wrong_default",
+}
+
+
+@pytest.fixture(scope="module")
+def tasks() -> dict[str, list[Task]]:
+    return {split: list(read_jsonl(TASKS_DIR / f"{split}.jsonl", Task)) for split in SPLITS}
+
+
+def _all(tasks: dict[str, list[Task]]) -> list[Task]:
+    return [task for split in SPLITS for task in tasks[split]]
+
+
+@pytest.mark.slow
+def test_generator_reproduces_the_committed_jsonl(tmp_path: Path) -> None:
+    script = ROOT / "fixtures" / "make_tasks.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    for split in SPLITS:
+        name = f"{split}.jsonl"
+        assert (tmp_path / name).read_bytes() == (TASKS_DIR / name).read_bytes(), (
+            f"{name} differs from the committed one; rebuild with python fixtures/make_tasks.py"
+        )
+
+
+def test_counts_families_and_split(tasks: dict[str, list[Task]]) -> None:
+    everything = _all(tasks)
+    assert len(everything) >= 90
+    ids = [task.instance_id for task in everything]
+    assert len(set(ids)) == len(ids), "instance ids are not unique"
+    groups = {}
+    for split in SPLITS:
+        assert {task.split for task in tasks[split]} == {split}
+        assert {task.meta["family"] for task in tasks[split]} == FAMILIES, split
+        groups[split] = {
+            (task.meta["module"], task.meta["function"], task.meta["family"])
+            for task in tasks[split]
+        }
+    assert not groups["train"] & groups["heldout"], "a bug appears in both splits"
+    assert 0.15 <= len(tasks["heldout"]) / len(everything) <= 0.3
+
+
+def _patched_files(patch: str) -> list[str]:
+    return re.findall(r"^diff --git a/(\S+) b/", patch, flags=re.MULTILINE)
+
+
+def test_records_are_well_formed(tasks: dict[str, list[Task]]) -> None:
+    problems = []
+    for task in _all(tasks):
+        iid, module = task.instance_id, task.meta["module"]
+        test_file = f"tests/test_{module}.py"
+        checks = {
+            "instance_id": re.fullmatch(rf"legorl-toy__{module}-\d+", iid),
+            "repo": task.repo == f"legorl-toy/{module}",
+            "base_commit": re.fullmatch(r"[0-9a-f]{40}", task.base_commit),
+            "environment_setup_commit": task.environment_setup_commit == task.base_commit,
+            "FAIL_TO_PASS": task.FAIL_TO_PASS
+            and all(node.startswith(f"{test_file}::") for node in task.FAIL_TO_PASS),
+            "PASS_TO_PASS": len(task.PASS_TO_PASS) >= 2
+            and not set(task.PASS_TO_PASS) & set(task.FAIL_TO_PASS),
+            "patch": _patched_files(task.patch) == [task.meta["file"]],
+            "test_patch": _patched_files(task.test_patch)
+            and all(path.startswith("tests/") for path in _patched_files(task.test_patch)),
+            "test_cmd": task.test_cmd == f"python -m pytest -rA -p no:cacheprovider {test_file}",
+            "source": task.source == f"repos/{iid}.bundle" and (TASKS_DIR / task.source).is_file(),
+            "meta": task.meta["family"] in FAMILIES and task.meta["file"] == f"{module}.py",
+            "misc": task.version == "0.1" and task.hints_text == "" and task.image is None,
+        }
+        problems += [f"{iid}: bad {field}" for field, ok in checks.items() if not ok]
+    assert not problems, "\n".join(problems)
+
+
+def test_checkout_and_apply_patch_report_errors(tmp_path: Path) -> None:
+    missing = SimpleNamespace(
+        instance_id="toy__x-1", base_commit="0" * 40, source="repos/no.bundle"
+    )
+    with pytest.raises(TaskError, match="toy__x-1"):
+        checkout(missing, TASKS_DIR, tmp_path / "x")
+    apply_patch(tmp_path, "")  # empty patch: nothing to do
+    bad = "diff --git a/nope.py b/nope.py\n--- a/nope.py\n+++ b/nope.py\n@@ -1 +1 @@\n-a\n+b\n"
+    with pytest.raises(PatchError, match=r"nope\.py"):
+        apply_patch(tmp_path, bad)
+
+
+# --------------------------------------------------------------------------------------------
+# Every task, end to end
+# --------------------------------------------------------------------------------------------
+
+
+def _run_tests(repo: Path, task: Task, report: Path) -> tuple[dict[str, str], str]:
+    """Run the task's test_cmd; returns {node id: passed|failed|skipped} and pytest's output."""
+    argv = shlex.split(task.test_cmd)
+    if argv[0] == "python":
+        argv[0] = sys.executable
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    env.pop("PYTHONPATH", None)
+    # Plugins installed in the dev venv are no part of a task's environment and would double
+    # pytest's start-up time, which dominates this test.
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    proc = subprocess.run(
+        [*argv, f"--junitxml={report}"],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    results: dict[str, str] = {}
+    if report.is_file():
+        for case in ET.parse(report).iter("testcase"):
+            node = case.get("classname", "").replace(".", "/") + ".py::" + case.get("name", "")
+            tags = {child.tag for child in case}
+            failed, skipped = tags & {"failure", "error"}, "skipped" in tags
+            results[node] = "failed" if failed else "skipped" if skipped else "passed"
+    return results, proc.stdout[-1500:] + proc.stderr[-500:]
+
+
+def _added_lines(patch: str) -> list[str]:
+    return [
+        line[1:]
+        for line in patch.splitlines()
+        if line.startswith("+") and not line.startswith("+++")
+    ]
+
+
+def _check_task(task: Task, work: Path) -> list[str]:
+    iid = task.instance_id
+    try:
+        repo = checkout(task, TASKS_DIR, work / iid)
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD", "--abbrev-ref", "HEAD"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        if head != [task.base_commit, "main"]:
+            return [f"{iid}: checkout gave {head}, not base_commit on main"]
+        history = subprocess.run(
+            ["git", "log", "--all", "-p", "--format=commit %H"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        problems = [
+            f"{iid}: gold line {line!r} is reachable from the bundle's history"
+            for line in _added_lines(task.patch)
+            if f"\n+{line}\n" in history
+        ]
+
+        apply_patch(repo, task.test_patch)
+        before, log = _run_tests(repo, task, work / f"{iid}.before.xml")
+        problems += [
+            f"{iid}: FAIL_TO_PASS {node} is {before.get(node, 'missing')} before the fix\n{log}"
+            for node in task.FAIL_TO_PASS
+            if before.get(node) != "failed"
+        ]
+        problems += [
+            f"{iid}: PASS_TO_PASS {node} is {before.get(node, 'missing')} before the fix\n{log}"
+            for node in task.PASS_TO_PASS
+            if before.get(node) != "passed"
+        ]
+
+        apply_patch(repo, task.patch)
+        after, log = _run_tests(repo, task, work / f"{iid}.after.xml")
+        problems += [
+            f"{iid}: {node} is {after.get(node, 'missing')} after the gold patch\n{log}"
+            for node in task.FAIL_TO_PASS + task.PASS_TO_PASS
+            if after.get(node) != "passed"
+        ]
+        return problems
+    except (TaskError, subprocess.SubprocessError, OSError, ET.ParseError) as exc:
+        return [f"{iid}: {type(exc).__name__}: {exc}"]
+
+
+@pytest.mark.slow
+def test_every_task_fails_before_and_passes_after_the_gold_patch(
+    tasks: dict[str, list[Task]], tmp_path: Path
+) -> None:
+    workers = min(4, max(2, os.cpu_count() or 2))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        results = pool.map(lambda task: _check_task(task, tmp_path), _all(tasks))
+        problems = [problem for result in results for problem in result]
+    assert not problems, f"{len(problems)} problem(s):\n" + "\n".join(problems)
