@@ -25,7 +25,7 @@ app = typer.Typer(
 # Stages that are not built yet take any arguments, so they can say so instead of a usage error.
 _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 
-app.command("proxy", context_settings=_PASS_THROUGH, help=proxy.HELP)(proxy.proxy)
+app.add_typer(proxy.app, name="proxy", help=proxy.HELP)
 app.command("sandbox", context_settings=_PASS_THROUGH, help=sandbox.HELP)(sandbox.sandbox)
 app.command("rollout", context_settings=_PASS_THROUGH, help=rollout.HELP)(rollout.rollout)
 app.command("verify", context_settings=_PASS_THROUGH, help=verify.HELP)(verify.verify)

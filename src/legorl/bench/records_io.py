@@ -1,29 +1,18 @@
-"""Benchmarks for `nox -s bench`: each measures legorl beside a baseline in the same run.
-
-    python -m legorl.bench --out bench.json [--only records_io] [--records-mb 1024]
-
-Every benchmark returns plain numbers and the ratios the issues set targets on; the report is
-one JSON file. Wall-clock figures on these shared machines are noisy, so each rate is the median
-of several passes and the targets are ratios, never absolute times.
-"""
+"""Records I/O: write then read Turn records with legorl's orjson reader/writer, beside plain
+json doing the same validation, in the same run."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import os
-import platform
 import random
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from legorl import __version__
 from legorl.records import JsonlWriter, ToolCall, Turn, TurnOutput, from_dict, read_jsonl
 
 
@@ -142,40 +131,3 @@ def bench_records_io(records_mb: float, passes: int) -> dict[str, Any]:
             2,
         ),
     }
-
-
-BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
-    "records_io": lambda a: bench_records_io(a.records_mb, a.passes),
-}
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m legorl.bench", description=__doc__)
-    parser.add_argument("--out", type=Path, default=Path("bench.json"))
-    parser.add_argument("--only", action="append", choices=sorted(BENCHMARKS))
-    parser.add_argument(
-        "--records-mb",
-        type=float,
-        default=1024.0,
-        help="MB of Turn records written and read per pass (default 1 GB)",
-    )
-    parser.add_argument("--passes", type=int, default=1)
-    args = parser.parse_args(argv)
-    report: dict[str, Any] = {
-        "legorl": __version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    for name in args.only or sorted(BENCHMARKS):
-        print(f"bench: {name} …", file=sys.stderr, flush=True)
-        report[name] = BENCHMARKS[name](args)
-        print(f"bench: {name}: {json.dumps(report[name])}", file=sys.stderr, flush=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"bench: wrote {args.out}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

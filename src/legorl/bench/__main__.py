@@ -1,0 +1,5 @@
+"""`python -m legorl.bench`: see `legorl.bench`."""
+
+from legorl.bench import main
+
+raise SystemExit(main())

@@ -1,0 +1,641 @@
+"""The ``embedded`` engine: a transformers causal LM served in-process, CPU or CUDA, fp32 or bf16.
+
+    from legorl.engines import make_engine
+    engine = make_engine("embedded", model_path="fixtures/models/tiny-qwen3")
+    async for chunk in engine.generate(GenerationRequest(prompt_ids=ids, max_tokens=64)):
+        ...  # list[TokenStep], as sampled
+
+How it serves many sessions at once (continuous batching):
+
+* One worker thread owns the model; ``generate`` only queues a request and awaits the tokens the
+  worker hands back through the caller's event loop, one step at a time (real streaming). The
+  event loop never runs a forward pass.
+* Each worker iteration runs one prefill chunk (``prefill_chunk`` prompt tokens of one new
+  sequence, unbatched, its own KV cache) and then one decode step for *all* running sequences
+  together: a single forward of ``[B, 1]`` tokens over a left-padded batch KV cache, with a 2-D
+  attention mask hiding the padding and explicit per-row position ids. A request that arrives
+  while a step runs joins at the next iteration; none waits for another to finish. Up to
+  ``max_batch_size`` sequences decode together; more wait in line.
+* Membership changes re-pad the batch cache (a copy, only when a sequence joins or leaves).
+  Padding costs attention work on the padded length: rows are not grouped by length.
+
+Prefix reuse: when a sequence with a ``cache_key`` ends, its KV cache (prompt + completion, minus
+the last sampled token, which was never fed back) is kept in a bounded LRU. The next request
+with that key reuses the longest common prefix of its prompt with the cached tokens and only
+prefills the rest. The reused K/V are the very tensors the model computed, so log-probs agree
+with and without reuse up to float rounding.
+
+Log-probs are ``log_softmax(raw_logits / T)[token]`` before top-p; temperature 0 samples
+greedily and reports log-probs at T = 1. A ``seed`` gives a per-request generator, so the same
+seed and prompt give the same tokens (batched and unbatched forwards can differ in the last
+float bits, which in principle can flip a draw that lands exactly on a boundary).
+
+``load_weights`` swaps a checkpoint in place between steps: new requests wait, running ones
+finish under the old weights, then the weights change, ``policy_version`` goes up and the prefix
+caches are dropped. Only full-attention decoders (Llama/Qwen-style dynamic KV caches) are
+supported; sliding-window or linear-attention layers are refused at load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import random
+import threading
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from legorl.protocols import ContextLengthError, EngineError, GenerationRequest, TokenStep
+
+if TYPE_CHECKING:
+    import torch
+
+    KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [B, H_kv, L, D]
+
+
+@dataclass(slots=True, kw_only=True)
+class EmbeddedConfig:
+    model_path: str
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    device: str = "cpu"
+    max_context: int | None = None  # None: the model config's max_position_embeddings
+    max_batch_size: int = 32  # sequences decoded together; more wait in line
+    prefill_chunk: int = 512  # prompt tokens per prefill forward; decode steps run in between
+    prefix_cache_entries: int = 64  # sessions (cache keys) whose last KV cache is kept
+    prefix_cache_tokens: int = 262_144  # and at most this many cached tokens over all of them
+
+
+@dataclass(slots=True)
+class EmbeddedStats:
+    """Counters since the engine started (read them; the worker writes them)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens run through the model
+    reused_tokens: int = 0  # prompt tokens served from a session's cached prefix instead
+    generated_tokens: int = 0
+    decode_steps: int = 0
+    batched_steps: int = 0  # decode steps that advanced more than one sequence
+    max_batch: int = 0  # most sequences in one decode step
+    weight_loads: int = 0
+
+
+class _End:
+    """Queued after a sequence's last token."""
+
+
+_END = _End()
+
+
+class _Sequence:
+    """One request as the worker sees it."""
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
+        self.request = request
+        self.loop = loop
+        self.queue: asyncio.Queue[TokenStep | _End | BaseException] = asyncio.Queue()
+        self.tokens: list[int] = list(request.prompt_ids)  # prompt, then each sampled token
+        self.prompt_len = len(self.tokens)
+        self.stop_ids = frozenset(request.stop_token_ids)
+        self.n_cached = 0  # tokens whose K/V are in a cache: the next one sits at this position
+        self.kv: KV | None = None  # own cache while prefilling; the batch holds it afterwards
+        self.generator: torch.Generator | None = None
+        self.cancelled = False  # set by the caller's side when it stops listening
+        self.done = False
+
+
+class _Load:
+    def __init__(self, path: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.path = path
+        self.loop = loop
+        self.future: asyncio.Future[int] = loop.create_future()
+
+
+class _Stop:
+    pass
+
+
+@dataclass(slots=True)
+class _Prefix:
+    tokens: list[int]  # exactly the tokens whose K/V are in `kv`
+    kv: KV
+
+
+class EmbeddedEngine:
+    """Transformers model in a worker thread; see the module docstring."""
+
+    name = "embedded"
+    config_class: ClassVar[type] = EmbeddedConfig
+
+    def __init__(self, config: EmbeddedConfig) -> None:
+        from legorl.engines.models import load_model, max_context_of
+
+        self.config = config
+        self.policy_version = 0
+        self.stats = EmbeddedStats()
+        self._model: Any = load_model(config.model_path, dtype=config.dtype, device=config.device)
+        self._check_cache_layout()
+        self.max_context = config.max_context or max_context_of(self._model)
+        self._vocab = int(self._model.get_input_embeddings().num_embeddings)
+        self._device = next(self._model.parameters()).device
+        self._closed = False
+        self._inbox: queue.SimpleQueue[_Sequence | _Load | _Stop] = queue.SimpleQueue()
+        # Worker state: touched only by the worker thread.
+        self._waiting: deque[_Sequence] = deque()
+        self._prefilling: deque[_Sequence] = deque()
+        self._batch: list[_Sequence] = []
+        self._batch_kv: KV = []
+        self._batch_mask: torch.Tensor | None = None  # [B, P] bool, False on left padding
+        self._loads: list[_Load] = []
+        self._prefixes: OrderedDict[str, _Prefix] = OrderedDict()
+        self._prefix_tokens = 0
+        self._thread = threading.Thread(target=self._run, name="legorl-embedded", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------------------------------
+    # Caller side (event loop)
+    # ---------------------------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[list[TokenStep]]:
+        self._check_request(request)
+        seq = _Sequence(request, asyncio.get_running_loop())
+        self._inbox.put(seq)
+        finished = False
+        try:
+            while not finished:
+                items = [await seq.queue.get()]
+                while not seq.queue.empty():
+                    items.append(seq.queue.get_nowait())
+                chunk: list[TokenStep] = []
+                error: BaseException | None = None
+                for item in items:
+                    if isinstance(item, TokenStep):
+                        chunk.append(item)
+                    elif isinstance(item, _End):
+                        finished = True
+                    else:
+                        error = item
+                if chunk:
+                    yield chunk
+                if error is not None:
+                    finished = True
+                    raise error
+        finally:
+            if not finished:
+                seq.cancelled = True  # the worker drops it at its next iteration
+
+    async def load_weights(self, path: str) -> int:
+        if self._closed:
+            raise EngineError("engine is closed")
+        command = _Load(str(path), asyncio.get_running_loop())
+        self._inbox.put(command)
+        return await command.future
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._inbox.put(_Stop())
+        await asyncio.to_thread(self._thread.join)
+
+    def _check_request(self, request: GenerationRequest) -> None:
+        if self._closed:
+            raise EngineError("engine is closed")
+        ids = request.prompt_ids
+        if not ids:
+            raise EngineError("empty prompt: at least one token is needed")
+        if len(ids) >= self.max_context:
+            raise ContextLengthError(len(ids), self.max_context)
+        if request.max_tokens < 1:
+            raise EngineError(f"max_tokens must be >= 1, got {request.max_tokens}")
+        if request.temperature < 0 or not 0 < request.top_p <= 1:
+            raise EngineError(
+                f"need temperature >= 0 and 0 < top_p <= 1, got {request.temperature}, "
+                f"{request.top_p}"
+            )
+        if min(ids) < 0 or max(ids) >= self._vocab:
+            raise EngineError(f"prompt token ids must be in 0..{self._vocab - 1}")
+
+    def _check_cache_layout(self) -> None:
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        layers = DynamicCache(config=self._model.config).layers
+        odd = {type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer}
+        if odd:
+            raise EngineError(
+                "the embedded engine batches plain full-attention KV caches only; this model "
+                f"has {', '.join(sorted(odd))} layers"
+            )
+
+    # ---------------------------------------------------------------------------------------
+    # Worker thread
+    # ---------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        import torch
+
+        with torch.inference_mode():
+            while True:
+                try:
+                    if not self._take_commands(block=not self._busy()):
+                        break
+                    self._iterate()
+                except Exception as exc:
+                    # a bug, not a model step (those are guarded): fail what runs, keep serving
+                    self._fail_running(EngineError(f"embedded engine error: {exc!r}"))
+        self._fail_all(EngineError("engine closed"))
+
+    def _iterate(self) -> None:
+        """One scheduling round: drop cancelled work, swap weights when idle, or admit new
+        sequences, run one prefill chunk and one batched decode step."""
+        self._drop_cancelled()
+        if self._loads and not self._prefilling and not self._batch:
+            self._do_loads()
+            return
+        self._admit()
+        if self._prefilling:
+            self._guarded(self._prefill_step, [self._prefilling[0]])
+        if self._batch:
+            self._guarded(self._decode_step, list(self._batch))
+
+    def _busy(self) -> bool:
+        # a pending load, or requests held back by one, are work too: never block on the inbox
+        return bool(self._prefilling or self._batch or self._loads or self._waiting)
+
+    def _take_commands(self, *, block: bool) -> bool:
+        """Move new commands off the inbox; False when asked to stop."""
+        while True:
+            try:
+                item = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if isinstance(item, _Stop):
+                return False
+            if isinstance(item, _Load):
+                self._loads.append(item)
+            else:
+                self.stats.requests += 1
+                self.stats.prompt_tokens += item.prompt_len
+                self._waiting.append(item)
+
+    def _admit(self) -> None:
+        if self._loads:
+            return  # new sequences wait until the weights have changed
+        room = self.config.max_batch_size - len(self._batch) - len(self._prefilling)
+        while room > 0 and self._waiting:
+            seq = self._waiting.popleft()
+            if seq.cancelled:
+                continue
+            self._start(seq)
+            self._prefilling.append(seq)
+            room -= 1
+
+    def _start(self, seq: _Sequence) -> None:
+        import torch
+
+        req = seq.request
+        if req.temperature > 0:
+            seq.generator = torch.Generator(device=self._device)
+            seed = req.seed if req.seed is not None else random.SystemRandom().getrandbits(63)
+            seq.generator.manual_seed(seed)
+        key = req.cache_key
+        cached = self._prefixes.pop(key, None) if key is not None else None
+        if cached is None:
+            return
+        self._prefix_tokens -= len(cached.tokens)
+        # at least one prompt token must run through the model to give the next-token logits
+        n = min(_common_prefix(cached.tokens, seq.tokens), seq.prompt_len - 1)
+        if n > 0:
+            seq.kv = [(k[:, :, :n], v[:, :, :n]) for k, v in cached.kv]
+            seq.n_cached = n
+            self.stats.reused_tokens += n
+
+    def _prefill_step(self) -> None:
+        import torch
+
+        seq = self._prefilling[0]
+        lo = seq.n_cached
+        hi = min(seq.prompt_len, lo + self.config.prefill_chunk)
+        ids = torch.tensor([seq.tokens[lo:hi]], device=self._device)  # [1, c]
+        positions = torch.arange(lo, hi, device=self._device)[None]  # [1, c]
+        cache = self._cache(seq.kv)
+        out = self._model(
+            input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1
+        )
+        seq.kv = _kv_of(cache)
+        seq.n_cached = hi
+        self.stats.prefill_tokens += hi - lo
+        if hi < seq.prompt_len:
+            return
+        self._prefilling.popleft()
+        self._emit([seq], out.logits[:, -1])
+        if seq.done:
+            self._finish(seq, seq.kv)
+        else:
+            self._join(seq)
+
+    def _decode_step(self) -> None:
+        import torch
+
+        batch = self._batch
+        mask = self._batch_mask
+        assert mask is not None
+        n = len(batch)
+        ids = torch.tensor([[s.tokens[-1]] for s in batch], device=self._device)  # [B, 1]
+        positions = torch.tensor([[s.n_cached] for s in batch], device=self._device)  # [B, 1]
+        mask = torch.cat([mask, mask.new_ones(n, 1)], dim=1)  # [B, P + 1]
+        cache = self._cache(self._batch_kv)
+        out = self._model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self._batch_kv = _kv_of(cache)
+        self._batch_mask = mask
+        for s in batch:
+            s.n_cached += 1
+        self.stats.decode_steps += 1
+        self.stats.batched_steps += n > 1
+        self.stats.max_batch = max(self.stats.max_batch, n)
+        self._emit(batch, out.logits[:, -1])
+        finished = [i for i, s in enumerate(batch) if s.done]
+        if finished:
+            self._leave(finished)
+
+    def _emit(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
+        """Sample one token per sequence from ``logits`` [B, V] and hand it to its caller."""
+        tokens, logprobs = _sample(seqs, logits)
+        # one wake-up per event loop and step, not per token: waking a loop costs a syscall
+        mail: dict[asyncio.AbstractEventLoop, list[tuple[_Sequence, Any]]] = {}
+        for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
+            seq.tokens.append(token)
+            self.stats.generated_tokens += 1
+            generated = len(seq.tokens) - seq.prompt_len
+            seq.done = (
+                token in seq.stop_ids
+                or generated >= seq.request.max_tokens
+                or len(seq.tokens) >= self.max_context
+            )
+            box = mail.setdefault(seq.loop, [])
+            box.append((seq, TokenStep(token, logprob)))
+            if seq.done:
+                box.append((seq, _END))
+        for loop, box in mail.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, box)
+            except RuntimeError:  # the callers' loop is closed: nobody is listening any more
+                for seq, _ in box:
+                    seq.cancelled = True
+
+    def _send(self, seq: _Sequence, item: TokenStep | _End | BaseException) -> None:
+        try:
+            seq.loop.call_soon_threadsafe(seq.queue.put_nowait, item)
+        except RuntimeError:
+            seq.cancelled = True
+
+    # -- batch membership ------------------------------------------------------------------
+
+    def _join(self, seq: _Sequence) -> None:
+        import torch
+        import torch.nn.functional as F
+
+        assert seq.kv is not None
+        kv, seq.kv = seq.kv, None
+        length = seq.n_cached
+        if not self._batch:
+            self._batch = [seq]
+            self._batch_kv = kv
+            self._batch_mask = torch.ones(1, length, dtype=torch.bool, device=self._device)
+            return
+        mask = self._batch_mask
+        assert mask is not None
+        padded = mask.shape[1]
+        width = max(padded, length)
+        old_pad, new_pad = width - padded, width - length
+        self._batch_kv = [
+            (
+                torch.cat([F.pad(bk, (0, 0, old_pad, 0)), F.pad(k, (0, 0, new_pad, 0))]),
+                torch.cat([F.pad(bv, (0, 0, old_pad, 0)), F.pad(v, (0, 0, new_pad, 0))]),
+            )
+            for (bk, bv), (k, v) in zip(self._batch_kv, kv, strict=True)
+        ]
+        row = torch.ones(1, width, dtype=torch.bool, device=self._device)
+        row[:, :new_pad] = False
+        self._batch_mask = torch.cat([F.pad(mask, (old_pad, 0), value=False), row])
+        self._batch.append(seq)
+
+    def _leave(self, rows: list[int]) -> None:
+        """Take ``rows`` out of the batch, keeping their caches as session prefixes."""
+        import torch
+
+        mask = self._batch_mask
+        assert mask is not None
+        padded = mask.shape[1]
+        for i in rows:
+            seq = self._batch[i]
+            start = padded - seq.n_cached
+            # clone: a view would keep the whole batch tensor alive in the prefix cache
+            own = [
+                (k[i : i + 1, :, start:].clone(), v[i : i + 1, :, start:].clone())
+                for k, v in self._batch_kv
+            ]
+            self._finish(seq, own)
+        gone = set(rows)
+        keep = [i for i in range(len(self._batch)) if i not in gone]
+        self._batch = [self._batch[i] for i in keep]
+        if not keep:
+            self._batch_kv, self._batch_mask = [], None
+            return
+        # drop the columns that are padding in every remaining row
+        trim = min(padded - s.n_cached for s in self._batch)
+        index = torch.tensor(keep, device=self._device)
+        self._batch_kv = [
+            (k.index_select(0, index)[:, :, trim:], v.index_select(0, index)[:, :, trim:])
+            for k, v in self._batch_kv
+        ]
+        self._batch_mask = mask.index_select(0, index)[:, trim:]
+
+    def _finish(self, seq: _Sequence, kv: KV | None) -> None:
+        seq.done = True
+        key = seq.request.cache_key
+        if key is None or kv is None or seq.n_cached == 0:
+            return
+        self._store_prefix(key, _Prefix(seq.tokens[: seq.n_cached], kv))
+
+    def _store_prefix(self, key: str, prefix: _Prefix) -> None:
+        old = self._prefixes.pop(key, None)
+        if old is not None:
+            self._prefix_tokens -= len(old.tokens)
+        if len(prefix.tokens) > self.config.prefix_cache_tokens:
+            return
+        self._prefixes[key] = prefix
+        self._prefix_tokens += len(prefix.tokens)
+        while (
+            len(self._prefixes) > self.config.prefix_cache_entries
+            or self._prefix_tokens > self.config.prefix_cache_tokens
+        ):
+            _, evicted = self._prefixes.popitem(last=False)
+            self._prefix_tokens -= len(evicted.tokens)
+
+    # -- cancellation, errors, weights -------------------------------------------------------
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in self._prefilling if s.cancelled]:
+            self._prefilling.remove(seq)
+            self._finish(seq, seq.kv)
+        rows = [i for i, s in enumerate(self._batch) if s.cancelled]
+        if rows:
+            self._leave(rows)
+
+    def _guarded(self, step: Any, involved: list[_Sequence]) -> None:
+        """Run a model step; if it raises, fail only the sequences it was working on."""
+        try:
+            step()
+        except Exception as exc:
+            error = EngineError(f"embedded engine step failed: {type(exc).__name__}: {exc}")
+            self._fail_running(error, involved)
+
+    def _fail_running(self, error: EngineError, involved: list[_Sequence] | None = None) -> None:
+        """Fail the ``involved`` sequences (default: all started ones) and forget them."""
+        hit = [*self._prefilling, *self._batch] if involved is None else involved
+        for seq in hit:
+            if not seq.done:
+                seq.done = True
+                self._send(seq, error)
+        gone = {id(s) for s in hit}
+        self._prefilling = deque(s for s in self._prefilling if id(s) not in gone)
+        if any(id(s) in gone for s in self._batch):
+            # the batch cache is shared: whoever survives would need it rebuilt; fail them too
+            for seq in self._batch:
+                if not seq.done:
+                    seq.done = True
+                    self._send(seq, error)
+            self._batch, self._batch_kv, self._batch_mask = [], [], None
+
+    def _do_loads(self) -> None:
+        from legorl.engines.models import reload_weights
+
+        loads, self._loads = self._loads, []
+        self._prefixes.clear()  # K/V computed by the old weights are wrong for the new ones
+        self._prefix_tokens = 0
+        for load in loads:
+            result: int | BaseException
+            try:
+                reload_weights(self._model, load.path)
+                self.policy_version += 1
+                self.stats.weight_loads += 1
+                result = self.policy_version
+            except Exception as exc:
+                result = EngineError(f"load_weights({load.path!r}) failed: {exc}")
+            load.loop.call_soon_threadsafe(_resolve, load.future, result)
+
+    def _fail_all(self, error: EngineError) -> None:
+        for seq in [*self._waiting, *self._prefilling, *self._batch]:
+            if not seq.done:
+                self._send(seq, error)
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Sequence):
+                self._send(item, error)
+            elif isinstance(item, _Load):
+                self._loads.append(item)
+        for load in self._loads:
+            load.loop.call_soon_threadsafe(_resolve, load.future, error)
+
+    def _cache(self, kv: KV | None) -> Any:
+        """A transformers DynamicCache holding ``kv`` (no copy), or an empty one."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self._model.config)
+        if kv:
+            layers: list[Any] = cache.layers  # plain DynamicLayers, checked at load
+            for layer, (k, v) in zip(layers, kv, strict=True):
+                layer.lazy_initialization(k, v)
+                layer.keys, layer.values = k, v
+        return cache
+
+
+def _deliver(box: list[tuple[_Sequence, Any]]) -> None:
+    """Runs on a caller's event loop: queue each item for its sequence."""
+    for seq, item in box:
+        seq.queue.put_nowait(item)
+
+
+def _kv_of(cache: Any) -> KV:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _resolve(future: asyncio.Future[int], result: int | BaseException) -> None:
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case: the new prompt extends the cached tokens
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]: bisect on slice equality
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _sample(seqs: list[_Sequence], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """One token per row of ``logits`` [B, V] and its log-prob under ``log_softmax(logits / T)``.
+
+    The log-prob is taken before top-p, which only narrows what may be drawn. Greedy rows
+    (T = 0) take the argmax and report log-probs at T = 1.
+    """
+    import torch
+
+    temps = [s.request.temperature for s in seqs]
+    scale = torch.tensor([t if t > 0 else 1.0 for t in temps], device=logits.device)
+    # the same arithmetic as models.scaled_logprobs, per row: fp32 first, then divide
+    logp = torch.log_softmax(logits.float() / scale[:, None], dim=-1)  # [B, V]
+    tokens = logp.argmax(dim=-1)  # [B], kept for greedy rows
+    rows = [i for i, t in enumerate(temps) if t > 0]
+    if rows:
+        index = torch.tensor(rows, device=logits.device)
+        probs = logp.index_select(0, index).exp()  # [S, V]
+        top_p = [seqs[i].request.top_p for i in rows]
+        if min(top_p) < 1:
+            probs = _top_p(probs, torch.tensor(top_p, device=probs.device))
+        # inverse-CDF draw, one uniform from each sequence's own generator: a seed fixes the
+        # tokens whatever else shares the batch
+        cdf = probs.cumsum(dim=-1)  # [S, V]
+        u = torch.stack(
+            [torch.rand((), generator=seqs[i].generator, device=probs.device) for i in rows]
+        )
+        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+        tokens[index] = drawn.clamp_(max=probs.shape[-1] - 1)
+    chosen = logp.gather(1, tokens[:, None])[:, 0]  # [B]
+    return tokens.tolist(), chosen.tolist()
+
+
+def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zero all but the smallest set of most likely tokens whose mass reaches ``top_p``, per row
+    of ``probs`` [S, V] (``top_p`` [S]); the most likely token always stays."""
+    import torch
+
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_probs[mass_before >= top_p[:, None]] = 0
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)

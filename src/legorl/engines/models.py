@@ -1,0 +1,144 @@
+"""Shared model helpers for the engines: load a causal LM and its tokenizer from a local folder,
+swap in a new checkpoint in place, and score tokens with exact, chunked log-probs.
+
+    from legorl.engines.models import load_model, token_logprobs
+    model = load_model("fixtures/models/tiny-qwen3", dtype="float32", device="cpu")
+    lps = token_logprobs(model, prompt_ids + completion_ids, start=len(prompt_ids), temperature=1.0)
+
+The log-prob of a token is ``log_softmax(raw_logits / T)[token]``: raw logits, at the sampling
+temperature, before top-p or any other processor; a temperature of 0 (greedy) scores at T = 1.
+``token_logprobs`` runs the decoder once over the whole sequence and applies the output head in
+chunks of positions, so a long sequence never holds fp32 full-vocabulary logits for every
+position at once (only ``[chunk, vocab]``).
+
+torch and transformers are imported inside the functions, so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+DType = Literal["float32", "bfloat16"]
+Device = str  # "cpu", "cuda", "cuda:1", …
+
+#: Positions per output-head chunk when scoring: [chunk, vocab] fp32 logits at a time.
+DEFAULT_LOGPROB_CHUNK = 1024
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if name not in dtypes:
+        raise ValueError(f"dtype must be one of {', '.join(dtypes)}, got {name!r}")
+    return dtypes[name]
+
+
+def load_model(path: str | Path, *, dtype: str = "float32", device: Device = "cpu") -> Any:
+    """A causal LM from a local folder, in eval mode, on ``device`` with ``dtype`` weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but torch sees no CUDA device")
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch_dtype(dtype), local_files_only=True
+    )
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def max_context_of(model: PreTrainedModel) -> int:
+    """The model's context length from its config (``max_position_embeddings``)."""
+    config = model.config.get_text_config(decoder=True)
+    value = getattr(config, "max_position_embeddings", None)
+    if not isinstance(value, int) or value <= 0:
+        raise ValueError("model config has no max_position_embeddings; set max_context")
+    return value
+
+
+def reload_weights(model: PreTrainedModel, path: str | Path) -> None:
+    """Copy a checkpoint of the same architecture into ``model``'s parameters, in place.
+
+    The checkpoint is loaded through transformers on the CPU (so its on-disk key layout, e.g.
+    per-expert MoE weights, is converted exactly as at first load) and then copied tensor by
+    tensor; the model on the accelerator never exists twice.
+    """
+    from transformers import AutoModelForCausalLM
+
+    fresh = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=model.dtype, local_files_only=True
+    )
+    if type(fresh) is not type(model):
+        raise ValueError(
+            f"checkpoint {path} is a {type(fresh).__name__}, the engine serves a "
+            f"{type(model).__name__}: load_weights needs the same architecture"
+        )
+    # strict: a missing or extra tensor, or a shape mismatch, is an error, not a silent partial load
+    model.load_state_dict(fresh.state_dict(), strict=True)
+    del fresh
+
+
+def logits_from_hidden(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """The output head applied to decoder hidden states, as the model's own forward does it."""
+    logits = model.get_output_embeddings()(hidden)
+    cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
+    if cap:
+        import torch
+
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def scaled_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``log_softmax(logits / T)`` in fp32 over the last dim; T = 0 (greedy) scores at T = 1."""
+    import torch
+
+    t = temperature if temperature > 0 else 1.0
+    return torch.log_softmax(logits.float() / t, dim=-1)
+
+
+def token_logprobs(
+    model: PreTrainedModel,
+    input_ids: list[int],
+    *,
+    start: int,
+    temperature: float,
+    chunk: int = DEFAULT_LOGPROB_CHUNK,
+) -> list[float]:
+    """Log-probs of ``input_ids[start:]``, each given everything before it, in one decoder pass.
+
+    ``start`` must be >= 1 (the first token has no context). Only the output head is chunked:
+    ``chunk`` positions of fp32 logits exist at a time.
+    """
+    import torch
+
+    if not 1 <= start <= len(input_ids):
+        raise ValueError(f"start must be in 1..{len(input_ids)}, got {start}")
+    if start == len(input_ids):
+        return []
+    device = next(model.parameters()).device
+    ids = torch.tensor([input_ids], dtype=torch.long, device=device)  # [1, T]
+    with torch.inference_mode():
+        hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state  # [1, T, H]
+        # position p predicts token p + 1: score hidden[start - 1 : T - 1] against ids[start:]
+        targets = ids[0, start:]  # [N]
+        out: list[torch.Tensor] = []
+        for lo in range(0, targets.numel(), chunk):
+            h = hidden[0, start - 1 + lo : start - 1 + lo + chunk]  # [c, H]
+            lp = scaled_logprobs(logits_from_hidden(model, h), temperature)  # [c, V]
+            out.append(lp.gather(-1, targets[lo : lo + chunk, None])[:, 0])
+    return torch.cat(out).tolist()

@@ -1,0 +1,335 @@
+"""The ``vllm`` engine: a client of a vLLM OpenAI-compatible server, token ids in and out.
+
+    engine = make_engine("vllm", base_url="http://gpu-host:8000")   # needs only httpx
+
+vLLM itself is an optional extra (``pip install legorl[vllm]``) and runs elsewhere, e.g.
+
+    vllm serve /ckpt/policy --served-model-name policy --logprobs-mode raw_logprobs
+
+Each request is one ``POST /v1/completions`` with the prompt as a list of token ids and
+``logprobs: 0`` (the sampled token's log-prob only), ``return_token_ids: true`` (the sampled ids
+as integers) and ``return_tokens_as_token_ids: true`` (tokens as ``"token_id:N"`` strings, the
+fallback when ``token_ids`` is absent), streamed as server-sent events or not. Every sampling
+knob that the server's ``generation_config`` defaults could otherwise set is sent explicitly
+(``top_k: 0``, ``min_p: 0``, no penalties), and ``ignore_eos: true`` so that generation stops
+only at the request's ``stop_token_ids`` (the stop token is returned, with its log-prob).
+
+Which log-probs vLLM reports is a server setting, ``--logprobs-mode``:
+
+* ``raw_logprobs`` (vLLM's default): ``log_softmax`` of the raw logits, before temperature,
+  penalties and top-k/top-p. That equals legorl's contract, ``log_softmax(logits / T)`` before
+  top-p, when T = 1 (any top-p), and greedy T = 0 (which legorl scores at T = 1).
+* ``processed_logprobs``: after temperature *and* top-k/top-p (then renormalised), so it meets
+  the contract when top_p = 1, at any T > 0.
+
+Set ``logprobs_mode`` here to what the server runs with; a request the server cannot score
+faithfully under that mode fails with ``EngineError`` instead of recording wrong log-probs.
+
+``max_context`` comes from the config, else from ``max_model_len`` in ``GET /v1/models``. The
+client clamps ``max_tokens`` to the room left in the context (vLLM rejects a request whose prompt
+plus ``max_tokens`` exceeds ``max_model_len``).
+
+``load_weights(path)`` needs a server started with ``VLLM_SERVER_DEV_MODE=1`` and
+``weight_reload="collective_rpc"`` here. The client then stops sending new requests, waits for
+its own in-flight ones to finish, and calls the development endpoints: ``POST /collective_rpc``
+with ``{"method": "update_config", "args": [{"model_config": {"model": path}}]}`` (point the
+workers at the new checkpoint), ``POST /collective_rpc`` with ``{"method": "reload_weights"}``
+(load it in place, as vLLM's sleep-mode docs do for RLHF weight updates), and
+``POST /reset_prefix_cache`` (cached K/V belong to the old weights). Without dev mode vLLM has no
+HTTP way to swap weights, and ``load_weights`` raises ``NotImplementedError`` saying so. Other
+clients of the same server are not drained: give the engine its own server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import httpx
+
+from legorl.protocols import ContextLengthError, EngineError, GenerationRequest, TokenStep
+
+LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
+
+
+@dataclass(slots=True, kw_only=True)
+class VllmConfig:
+    base_url: str = "http://127.0.0.1:8000"
+    model: str | None = None  # served model name; None: the first one /v1/models lists
+    api_key: str | None = None
+    max_context: int | None = None  # None: max_model_len from /v1/models
+    stream: bool = True
+    timeout_s: float = 600.0
+    logprobs_mode: LogprobsMode = "raw_logprobs"  # what the server runs with (--logprobs-mode)
+    weight_reload: Literal["none", "collective_rpc"] = "none"  # see the module docstring
+
+
+class _Gate:
+    """Lets requests through unless a weight reload holds it shut, and counts them."""
+
+    def __init__(self) -> None:
+        self.active = 0
+        self.open = asyncio.Event()
+        self.open.set()
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    async def enter(self) -> None:
+        while not self.open.is_set():
+            await self.open.wait()
+        self.active += 1
+        self.idle.clear()
+
+    def leave(self) -> None:
+        self.active -= 1
+        if self.active == 0:
+            self.idle.set()
+
+
+class VllmEngine:
+    """A vLLM server behind the Engine protocol; see the module docstring."""
+
+    name = "vllm"
+    config_class: ClassVar[type] = VllmConfig
+
+    def __init__(self, config: VllmConfig) -> None:
+        self.config = config
+        self.policy_version = 0
+        self.base_url = config.base_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        model, max_context = config.model, config.max_context
+        if model is None or max_context is None:
+            model, max_context = self._describe_server(model, max_context)
+        self.model = model
+        self.max_context = max_context
+        self._client: httpx.AsyncClient | None = None
+        self._client_loop: asyncio.AbstractEventLoop | None = None
+        self._gate: _Gate | None = None
+        self._reload_lock: asyncio.Lock | None = None
+
+    def _describe_server(self, model: str | None, max_context: int | None) -> tuple[str, int]:
+        """The served model's name and context length from ``GET /v1/models`` (blocking)."""
+        url = f"{self.base_url}/v1/models"
+        try:
+            response = httpx.get(url, headers=self._headers, timeout=self.config.timeout_s)
+        except httpx.HTTPError as exc:
+            raise EngineError(f"vLLM server at {self.base_url} unreachable: {exc}") from exc
+        if response.status_code != 200:
+            raise EngineError(f"GET {url}: {_error_message(response)}")
+        cards = response.json().get("data") or []
+        card = next((c for c in cards if model is None or c.get("id") == model), None)
+        if card is None:
+            listed = ", ".join(str(c.get("id")) for c in cards) or "none"
+            raise EngineError(f"vLLM server serves no model {model!r} (it lists: {listed})")
+        if max_context is None:
+            max_context = card.get("max_model_len")
+            if not isinstance(max_context, int) or max_context <= 0:
+                raise EngineError(
+                    f"{url} gives no max_model_len for {card.get('id')!r}; set max_context"
+                )
+        return str(card["id"]), max_context
+
+    # ---------------------------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[list[TokenStep]]:
+        prompt = request.prompt_ids
+        if not prompt:
+            raise EngineError("empty prompt: at least one token is needed")
+        if len(prompt) >= self.max_context:
+            raise ContextLengthError(len(prompt), self.max_context)
+        self._check_logprob_semantics(request)
+        client, gate = self._session()
+        body = self._body(request)
+        url = f"{self.base_url}/v1/completions"
+        await gate.enter()
+        try:
+            if self.config.stream:
+                async with client.stream("POST", url, json=body) as response:
+                    if response.status_code != 200:
+                        await response.aread()
+                        raise self._http_error(response, len(prompt))
+                    async for line in response.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            break
+                        steps = _steps_of(json.loads(data))
+                        if steps:
+                            yield steps
+            else:
+                response = await client.post(url, json=body)
+                if response.status_code != 200:
+                    raise self._http_error(response, len(prompt))
+                steps = _steps_of(response.json())
+                if steps:
+                    yield steps
+        except httpx.HTTPError as exc:
+            raise EngineError(f"vLLM request to {url} failed: {exc}") from exc
+        finally:
+            gate.leave()
+
+    def _body(self, request: GenerationRequest) -> dict[str, Any]:
+        room = self.max_context - len(request.prompt_ids)
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": list(request.prompt_ids),
+            "max_tokens": min(request.max_tokens, room),
+            "temperature": request.temperature,
+            "top_p": request.top_p,
+            # explicit, so the server's generation_config defaults cannot change the sampler
+            "top_k": 0,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
+            "n": 1,
+            "stop_token_ids": list(request.stop_token_ids),
+            "ignore_eos": True,  # stop only where the request says
+            "skip_special_tokens": False,
+            "logprobs": 0,  # the sampled token's log-prob, no alternatives
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+            "stream": self.config.stream,
+        }
+        if request.seed is not None:
+            body["seed"] = request.seed
+        return body
+
+    def _check_logprob_semantics(self, request: GenerationRequest) -> None:
+        t, top_p, mode = request.temperature, request.top_p, self.config.logprobs_mode
+        if mode == "raw_logprobs" and t not in (0.0, 1.0):
+            raise EngineError(
+                f"vLLM --logprobs-mode raw_logprobs reports log-probs at temperature 1; a "
+                f"request at temperature {t} needs a server with --logprobs-mode "
+                "processed_logprobs (and top_p = 1), and logprobs_mode set to match"
+            )
+        if mode == "processed_logprobs" and (top_p < 1.0 or t <= 0):
+            raise EngineError(
+                "vLLM --logprobs-mode processed_logprobs reports log-probs after top-p "
+                f"(renormalised); top_p {top_p} at temperature {t} cannot be scored faithfully: "
+                "use top_p = 1 and temperature > 0, or a raw_logprobs server at temperature 1"
+            )
+
+    def _http_error(self, response: httpx.Response, prompt_len: int) -> EngineError:
+        message = _error_message(response)
+        lowered = message.lower()
+        if response.status_code == 400 and (
+            "context length" in lowered or "max_model_len" in lowered
+        ):
+            return ContextLengthError(prompt_len, self.max_context)
+        return EngineError(f"vLLM answered {response.status_code}: {message}")
+
+    def _session(self) -> tuple[httpx.AsyncClient, _Gate]:
+        """The HTTP client and request gate of the running event loop (made on first use)."""
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._client_loop is not loop:
+            # an AsyncClient's connections belong to one loop; a new loop gets a new client
+            self._client = httpx.AsyncClient(
+                headers=self._headers,
+                timeout=httpx.Timeout(self.config.timeout_s, connect=30.0),
+            )
+            self._client_loop = loop
+            self._gate = _Gate()
+            self._reload_lock = asyncio.Lock()
+        assert self._gate is not None
+        return self._client, self._gate
+
+    # ---------------------------------------------------------------------------------------
+
+    async def load_weights(self, path: str) -> int:
+        if self.config.weight_reload == "none":
+            raise NotImplementedError(
+                "vLLM swaps weights over HTTP only through its development endpoints: start the "
+                "server with VLLM_SERVER_DEV_MODE=1 and make this engine with "
+                'weight_reload="collective_rpc" (or restart the server on the new checkpoint)'
+            )
+        client, gate = self._session()
+        assert self._reload_lock is not None
+        async with self._reload_lock:
+            gate.open.clear()  # new requests wait here
+            try:
+                await gate.idle.wait()  # requests in flight finish under the old weights
+                update = {"model_config": {"model": str(path)}}
+                await self._post(
+                    client, "/collective_rpc", {"method": "update_config", "args": [update]}
+                )
+                await self._post(client, "/collective_rpc", {"method": "reload_weights"})
+                await self._post(client, "/reset_prefix_cache", None)
+                self.policy_version += 1
+            finally:
+                gate.open.set()
+        return self.policy_version
+
+    async def _post(self, client: httpx.AsyncClient, path: str, body: Any) -> None:
+        url = f"{self.base_url}{path}"
+        try:
+            response = (
+                await client.post(url, json=body) if body is not None else await client.post(url)
+            )
+        except httpx.HTTPError as exc:
+            raise EngineError(f"POST {url} failed: {exc}") from exc
+        if response.status_code != 200:
+            hint = (
+                " (is the server running with VLLM_SERVER_DEV_MODE=1?)"
+                if response.status_code == 404
+                else ""
+            )
+            raise EngineError(f"POST {url}: {_error_message(response)}{hint}")
+
+    async def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None and self._client_loop is asyncio.get_running_loop():
+            await client.aclose()
+
+
+def _steps_of(payload: dict[str, Any]) -> list[TokenStep]:
+    """The sampled tokens and log-probs in one completion response or stream chunk."""
+    if "error" in payload:
+        raise EngineError(f"vLLM stream error: {_message_of(payload)}")
+    choices = payload.get("choices") or []
+    if not choices:
+        return []  # e.g. the closing usage chunk
+    choice = choices[0]
+    if choice.get("finish_reason") in ("abort", "error"):
+        raise EngineError(f"vLLM ended the request with finish_reason {choice['finish_reason']!r}")
+    logprobs = choice.get("logprobs") or {}
+    values = logprobs.get("token_logprobs") or []
+    ids = choice.get("token_ids")
+    if ids is None:
+        ids = [_token_id(t) for t in logprobs.get("tokens") or []]
+    if len(ids) != len(values) or any(v is None for v in values):
+        raise EngineError(
+            f"vLLM returned {len(ids)} token ids but {len(values)} log-probs; is logprobs "
+            "honoured by this server?"
+        )
+    return [TokenStep(int(t), float(v)) for t, v in zip(ids, values, strict=True)]
+
+
+def _token_id(token: str) -> int:
+    prefix = "token_id:"
+    if not token.startswith(prefix):
+        raise EngineError(
+            f"vLLM returned token {token!r}, not 'token_id:N': the server ignores "
+            "return_tokens_as_token_ids"
+        )
+    return int(token[len(prefix) :])
+
+
+def _message_of(payload: Any) -> str:
+    if isinstance(payload, dict):
+        error = payload.get("error", payload)
+        if isinstance(error, dict):
+            return str(error.get("message") or error)
+        return str(error)
+    return str(payload)
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        return _message_of(response.json())
+    except (json.JSONDecodeError, ValueError):
+        return response.text[:500] or response.reason_phrase

@@ -1,0 +1,481 @@
+"""The proxy's core, shared by `legorl proxy serve` (HTTP server) and `legorl proxy intercept`
+(mitmproxy addon): routing, wire formats, token bookkeeping, generation and recording.
+
+    core = ProxyCore(ProxyConfig(model="fixtures/models/tiny-qwen3", out="runs/turns"), engine)
+    response = await core.handle("POST", "/s/sess-1/v1/chat/completions", "", headers, body)
+
+``handle`` never raises for a client's mistake: it answers in the calling API's error shape.
+Every answered call is appended as a Turn record to ``{out}/{session}.jsonl``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from legorl.protocols import ContextLengthError, Engine, EngineError, GenerationRequest
+from legorl.proxy.chat import (
+    ApiError,
+    ApiName,
+    ChatRequest,
+    Completion,
+    Event,
+    Finish,
+    FinishReason,
+    TextDelta,
+    Usage,
+)
+from legorl.proxy.parse import Detokenizer, OutputParser
+from legorl.proxy.session import Generated, PromptPlan, Session
+from legorl.proxy.tokens import ChatTokenizer
+from legorl.proxy.wire import WIRES
+from legorl.records import JsonlWriter, ToolCall, Turn, TurnFlags, TurnOutput
+
+_SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_ROUTE = re.compile(r"^(?:/s/(?P<session>[^/]+))?(?P<rest>/.*)?$")
+_ENDPOINTS: dict[str, ApiName] = {
+    "/v1/chat/completions": "openai_chat",
+    "/chat/completions": "openai_chat",
+    "/v1/messages": "anthropic",
+    "/v1/responses": "responses",
+    "/responses": "responses",
+}
+
+
+@dataclass(slots=True)
+class Response:
+    status: int
+    body: bytes | AsyncIterator[bytes]
+    content_type: str = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def streaming(self) -> bool:
+        return not isinstance(self.body, bytes)
+
+
+@dataclass(slots=True, kw_only=True)
+class ProxyConfig:
+    model: str | Path
+    served_name: str = ""  # defaults to the model folder's name
+    out: str | Path | None = None  # where Turn records go; None keeps nothing
+    open_sessions: bool = True  # False: only sessions registered through /admin/sessions
+    admin_token: str | None = None  # None: admin routes are refused
+    max_body_bytes: int = 32 * 1024 * 1024
+    default_max_tokens: int = 4096  # when a request names none (OpenAI Chat may omit it)
+    log_errors: bool = False  # one stderr line per client error
+
+
+class ProxyCore:
+    def __init__(self, config: ProxyConfig, engine: Engine) -> None:
+        self.config = config
+        self.engine = engine
+        self.tok = ChatTokenizer(config.model)
+        self.served_name = config.served_name or Path(config.model).name
+        self.out = Path(config.out) if config.out is not None else None
+        if self.out is not None:
+            self.out.mkdir(parents=True, exist_ok=True)
+        self.sessions: dict[str, Session] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.stats = {"requests": 0, "errors": 0, "cancelled": 0}
+
+    # ---- entry point --------------------------------------------------------------------
+
+    async def handle(
+        self, method: str, path: str, query: str, headers: Mapping[str, str], body: bytes
+    ) -> Response:
+        """Answer one HTTP request. ``headers`` keys are lower-case."""
+        self.stats["requests"] += 1
+        match = _ROUTE.match(path)
+        rest = (match.group("rest") or "/") if match else path
+        try:
+            if match is None:
+                raise ApiError(404, f"no route for {path}", kind="not_found_error")
+            if rest == "/" and method in ("HEAD", "GET"):
+                return Response(200, b"" if method == "HEAD" else b'{"legorl": "proxy"}')
+            if rest == "/healthz" and method == "GET":
+                return self._json(200, self.health())
+            if rest.startswith("/admin/"):
+                return await self._admin(method, rest, headers, body)
+            if method == "GET" and rest in ("/v1/models", "/models"):
+                return self._json(200, self._models())
+            if method != "POST":
+                raise ApiError(404, f"no route for {method} {rest}", kind="not_found_error")
+            if len(body) > self.config.max_body_bytes:
+                raise ApiError(
+                    413,
+                    f"request body of {len(body)} bytes exceeds the limit of "
+                    f"{self.config.max_body_bytes}",
+                    kind="request_too_large",
+                )
+            session_id = self._session_id(match.group("session"), headers)
+            if rest == "/v1/messages/count_tokens":
+                return self._count_tokens(body)
+            endpoint = _ENDPOINTS.get(rest)
+            if endpoint is None:
+                raise ApiError(404, f"no route for POST {rest}", kind="not_found_error")
+            return await self._chat(endpoint, session_id, body)
+        except ApiError as err:
+            if self.config.log_errors:
+                print(
+                    f"legorl proxy: {err.status} {method} {path}: {err.message}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return self.error_response(path, err)
+
+    def error_response(self, path: str, err: ApiError) -> Response:
+        """``err`` in the error shape of the API that ``path`` belongs to."""
+        self.stats["errors"] += 1
+        api: ApiName = "openai_chat"
+        if "/messages" in path:
+            api = "anthropic"
+        elif "/responses" in path:
+            api = "responses"
+        return Response(err.status, WIRES[api].error_body(err))
+
+    # ---- routes -------------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "model": self.served_name,
+            "engine": self.engine.name,
+            "policy_version": self.engine.policy_version,
+            "sessions": len(self.sessions),
+            **self.stats,
+        }
+
+    def _models(self) -> dict[str, Any]:
+        # One body both OpenAI and Anthropic clients accept for listing models.
+        item = {
+            "id": self.served_name,
+            "object": "model",
+            "type": "model",
+            "display_name": self.served_name,
+            "created": 0,
+            "created_at": "1970-01-01T00:00:00Z",
+            "owned_by": "legorl",
+        }
+        return {
+            "object": "list",
+            "data": [item],
+            "has_more": False,
+            "first_id": self.served_name,
+            "last_id": self.served_name,
+        }
+
+    def _session_id(self, from_path: str | None, headers: Mapping[str, str]) -> str:
+        sid = from_path
+        if sid is None:
+            auth = headers.get("authorization", "")
+            sid = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+            sid = sid or headers.get("x-api-key")
+        if not sid:
+            raise ApiError(
+                401,
+                "no session: use /s/{session}/… or send the session id as the API key",
+                kind="authentication_error",
+            )
+        if not _SESSION_ID.match(sid):
+            raise ApiError(400, f"invalid session id {sid[:40]!r}: use letters, digits, . _ -")
+        if sid not in self.sessions:
+            if not self.config.open_sessions:
+                raise ApiError(404, f"unknown session {sid!r}", kind="not_found_error")
+            self.sessions[sid] = Session(sid, self.tok)
+        return sid
+
+    async def _admin(
+        self, method: str, rest: str, headers: Mapping[str, str], body: bytes
+    ) -> Response:
+        token = self.config.admin_token
+        given = headers.get("authorization", "")
+        if token is None or given != f"Bearer {token}":
+            raise ApiError(401, "admin routes need the admin token", kind="authentication_error")
+        data = _json_object(body) if body else {}
+        if method == "POST" and rest == "/admin/weights":
+            path = data.get("path")
+            if not isinstance(path, str):
+                raise ApiError(400, "path: expected a string", param="path")
+            version = await self.engine.load_weights(path)
+            return self._json(200, {"policy_version": version})
+        if method == "POST" and rest == "/admin/sessions":
+            sid = data.get("id")
+            if not isinstance(sid, str) or not _SESSION_ID.match(sid):
+                raise ApiError(400, "id: expected a session id of letters, digits, . _ -")
+            self.sessions.setdefault(sid, Session(sid, self.tok))
+            return self._json(200, {"id": sid})
+        if method == "DELETE" and rest.startswith("/admin/sessions/"):
+            sid = rest.rsplit("/", 1)[1]
+            self.sessions.pop(sid, None)
+            self._locks.pop(sid, None)
+            return self._json(200, {"id": sid, "deleted": True})
+        raise ApiError(404, f"no admin route {method} {rest}", kind="not_found_error")
+
+    def _count_tokens(self, body: bytes) -> Response:
+        wire = WIRES["anthropic"]
+        req = wire.count_tokens_request(body)  # type: ignore[attr-defined]
+        n = self.tok.count(req.messages, req.tools)
+        return Response(200, wire.count_tokens_body(n))  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _json(status: int, obj: Any) -> Response:
+        return Response(status, orjson.dumps(obj))
+
+    # ---- generation ---------------------------------------------------------------------
+
+    async def _chat(self, api: ApiName, session_id: str, body: bytes) -> Response:
+        wire = WIRES[api]
+        req = wire.parse_request(body)
+        if not req.messages:
+            raise ApiError(400, "messages: at least one message is required", param="messages")
+        lock = self._locks.setdefault(session_id, asyncio.Lock())
+        arrived = time.time()
+        await lock.acquire()
+        try:
+            queued = time.time() - arrived
+            t0 = time.perf_counter()
+            plan = self.sessions[session_id].plan(req)
+            build_s = time.perf_counter() - t0
+            prompt = plan.prompt_ids
+            limit = self.engine.max_context
+            if len(prompt) >= limit:
+                raise ApiError(
+                    400,
+                    f"prompt is too long: {len(prompt)} tokens > {limit - 1} maximum "
+                    f"(the model's context is {limit} tokens)",
+                    code="context_length_exceeded",
+                    param="messages",
+                )
+            meta = {"arrived": arrived, "queue_s": queued, "prompt_build_s": build_s}
+            events = self._generate(session_id, req, plan, prompt, meta, lock)
+            rid = wire.response_id()
+            created = int(arrived)
+            if req.stream:
+                stream = wire.stream(
+                    events,
+                    req,
+                    id=rid,
+                    model=req.model,
+                    created=created,
+                    prompt_tokens=len(prompt),
+                )
+                return Response(
+                    200,
+                    stream,
+                    content_type="text/event-stream",
+                    headers={"cache-control": "no-cache"},
+                )
+            collected = [ev async for ev in events]
+            completion = Completion.collect(collected, id=rid, model=req.model, created=created)
+            return Response(200, wire.response_body(completion, req))
+        except BaseException:
+            if lock.locked() and not req.stream:
+                lock.release()
+            raise
+
+    async def _generate(
+        self,
+        session_id: str,
+        req: ChatRequest,
+        plan: PromptPlan,
+        prompt: list[int],
+        meta: dict[str, float],
+        lock: asyncio.Lock,
+    ) -> AsyncIterator[Event]:
+        """Sample, parse and stream events; record the Turn once the completion is whole.
+
+        Holds the session lock until done, so calls of one session never interleave."""
+        try:
+            async for ev in self._sample(session_id, req, plan, prompt, meta):
+                yield ev
+        finally:
+            if lock.locked():
+                lock.release()
+
+    async def _sample(
+        self,
+        session_id: str,
+        req: ChatRequest,
+        plan: PromptPlan,
+        prompt: list[int],
+        meta: dict[str, float],
+    ) -> AsyncIterator[Event]:
+        wire = WIRES[req.api]
+        max_tokens = min(
+            req.max_tokens or self.config.default_max_tokens, self.engine.max_context - len(prompt)
+        )
+        gen_req = GenerationRequest(
+            prompt_ids=prompt,
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            stop_token_ids=self.tok.stop_ids,
+            seed=req.seed,
+            cache_key=f"{plan.sub.id}#{plan.segment}",
+        )
+        parser = OutputParser(wire.tool_call_id)
+        detok = Detokenizer(self.tok.decode, self.tok.special_ids)
+        stops = _StopStrings(req.stop)
+        ids: list[int] = []
+        logprobs: list[float] = []
+        version = self.engine.policy_version
+        t0 = time.perf_counter()
+        first_token_s = 0.0
+        completed = False
+        gen = self.engine.generate(gen_req)
+        try:
+            try:
+                async for chunk in gen:
+                    if not ids:
+                        first_token_s = time.perf_counter() - t0
+                        # A weight swap lets running requests finish and holds queued ones, so
+                        # the version at the first token is the one that sampled them all.
+                        version = self.engine.policy_version
+                    ids.extend(s.token_id for s in chunk)
+                    logprobs.extend(s.logprob for s in chunk)
+                    text = stops.push(detok.push([s.token_id for s in chunk]))
+                    for ev in parser.feed(text):
+                        yield ev
+                    if stops.hit is not None:
+                        break
+            except ContextLengthError as err:
+                raise ApiError(400, str(err), code="context_length_exceeded") from None
+            except EngineError as err:
+                raise ApiError(503, f"engine error: {err}", kind="overloaded_error") from None
+            finally:
+                await gen.aclose()  # type: ignore[attr-defined]
+            for ev in parser.feed(stops.flush()):
+                yield ev
+            for ev in parser.finish():
+                yield ev
+            reason: FinishReason
+            if stops.hit is not None or (ids and ids[-1] in self.tok.stop_ids):
+                reason = "tool_calls" if parser.calls else "stop"
+            else:
+                reason = "length"
+            yield Finish(
+                reason=reason,
+                usage=Usage(prompt_tokens=len(prompt), completion_tokens=len(ids)),
+                stop_sequence=stops.hit,
+            )
+            completed = True
+        finally:
+            if completed:
+                self._record(
+                    session_id,
+                    req,
+                    plan,
+                    ids,
+                    logprobs,
+                    parser,
+                    reason,
+                    version,
+                    {
+                        **meta,
+                        "first_token_s": first_token_s,
+                        "generate_s": time.perf_counter() - t0,
+                    },
+                )
+            else:
+                self.stats["cancelled"] += 1
+
+    def _record(
+        self,
+        session_id: str,
+        req: ChatRequest,
+        plan: PromptPlan,
+        ids: list[int],
+        logprobs: list[float],
+        parser: OutputParser,
+        reason: str,
+        version: int,
+        meta: dict[str, float],
+    ) -> None:
+        text, thinking = "".join(parser.text), "".join(parser.thinking)
+        session = self.sessions[session_id]
+        turn_index = session.commit(plan, ids, Generated(text, thinking, list(parser.calls)))
+        if self.out is None:
+            return
+        arrived = meta.pop("arrived")
+        turn = Turn(
+            session=plan.sub.id,
+            turn=turn_index,
+            segment=plan.segment,
+            segment_reason=plan.segment_reason,
+            api=req.api,
+            model=self.served_name,
+            requested_model=req.model,
+            policy_version=version,
+            prompt_offset=plan.prompt_offset,
+            prompt_delta=plan.prompt_delta,
+            completion_ids=ids,
+            completion_logprobs=logprobs,
+            finish_reason=reason,
+            output=TurnOutput(
+                text=text,
+                thinking=thinking or None,
+                tool_calls=[
+                    ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in parser.calls
+                ],
+            ),
+            flags=TurnFlags(
+                aux=plan.sub.aux, realigned=plan.realigned, malformed_tool_call=parser.malformed
+            ),
+            parent_session=session_id if plan.sub.aux else None,
+            timings={k: round(v, 6) for k, v in meta.items()},
+            time=arrived,
+        )
+        with JsonlWriter(self.out / f"{session_id}.jsonl") as writer:
+            writer.write(turn)
+
+
+class _StopStrings:
+    """Cuts streamed text at the first stop string, holding back a possible partial match."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.held = ""
+        self.hit: str | None = None
+
+    def push(self, text: str) -> str:
+        if not self.stops or self.hit is not None:
+            return "" if self.hit is not None else text
+        buf = self.held + text
+        cut = min(((buf.find(s), s) for s in self.stops if s in buf), default=None)
+        if cut is not None:
+            self.hit, self.held = cut[1], ""
+            return buf[: cut[0]]
+        keep = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), keep, -1):
+                if buf.endswith(s[:n]):
+                    keep = n
+                    break
+        self.held = buf[len(buf) - keep :]
+        return buf[: len(buf) - keep]
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return "" if self.hit is not None else held
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"malformed JSON body: {exc}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return data
+
+
+__all__ = ["ProxyConfig", "ProxyCore", "Response", "TextDelta"]

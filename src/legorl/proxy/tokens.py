@@ -1,0 +1,206 @@
+"""The proxy's tokenizer and chat template: full renders for a segment's first call, and
+incremental renders of only the new messages for every later call.
+
+The template is compiled once with Jinja (no transformers import on the serving path). An
+incremental render is the template's own text for ``[anchor…] + new`` minus its text for
+``[anchor…]``, where the anchor is a constant user → assistant exchange: so every template rule
+that looks at the previous message (tool-result grouping, turn openers) still applies, and the
+cost depends on the new messages only, never on the history.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from legorl.proxy.chat import Message, Tool
+
+_ANCHOR = [
+    {"role": "user", "content": "legorl-anchor-user"},
+    {"role": "assistant", "content": "legorl-anchor-assistant"},
+]
+
+
+class TemplateError(ValueError):
+    """The chat template cannot render incrementally (its renders are not prefix-stable)."""
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, **kw: Any) -> str:
+    # The `tojson` chat templates expect (as Hugging Face's): no HTML escaping, key order kept.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **kw)
+
+
+class ChatTokenizer:
+    """Tokenizer + chat template of one model folder (``tokenizer.json`` and a Jinja template)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        from tokenizers import Tokenizer
+
+        self.model_dir = Path(model_dir)
+        tok_file = self.model_dir / "tokenizer.json"
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"{tok_file}: no tokenizer.json in the model folder")
+        self.tokenizer = Tokenizer.from_file(str(tok_file))
+        config = self._json("tokenizer_config.json")
+        template = config.get("chat_template")
+        jinja_file = self.model_dir / "chat_template.jinja"
+        if jinja_file.is_file():
+            template = jinja_file.read_text()
+        if not isinstance(template, str):
+            raise ValueError(f"{self.model_dir}: no chat template (chat_template.jinja)")
+        self.template_source = template
+        eos = config.get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        gen = self._json("generation_config.json")
+        eos_ids = gen.get("eos_token_id")
+        self.eos_id: int
+        eos_by_name = self.tokenizer.token_to_id(eos) if isinstance(eos, str) else None
+        if eos_by_name is not None:
+            self.eos_id = eos_by_name
+        elif isinstance(eos_ids, int):
+            self.eos_id = eos_ids
+        elif isinstance(eos_ids, list) and eos_ids:
+            self.eos_id = int(eos_ids[0])
+        else:
+            raise ValueError(f"{self.model_dir}: no eos token in tokenizer_config.json")
+        added = [t for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]
+        self._special_by_text: dict[str, int] = {
+            t.content: i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special
+        }
+        self.special_ids = set(self._special_by_text.values())
+        # The tokenizer cuts special tokens out before anything else, so the pieces between them
+        # encode independently; long pieces (a harness's system prompt and tool schemas) repeat
+        # across sessions and are encoded once. Only sound when no special token eats the
+        # whitespace around it.
+        self._pieces_exact = all(not (t.lstrip or t.rstrip or t.single_word) for t in added)
+        self._split = re.compile(
+            "("
+            + "|".join(re.escape(t.content) for t in sorted(added, key=lambda t: -len(t.content)))
+            + ")"
+        )
+        self._piece_cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._template = self._compile(template)
+        eos_text = self.tokenizer.id_to_token(self.eos_id)
+        if eos_text is None:
+            raise ValueError(
+                f"{self.model_dir}: eos token id {self.eos_id} is not in the vocabulary"
+            )
+        self.eos_text: str = eos_text
+        # Fail at load, not at the first continuation, when the template cannot split.
+        self._split_after_anchor(
+            self.render(
+                [*_ANCHOR, {"role": "user", "content": "x"}], None, add_generation_prompt=True
+            )
+        )
+
+    def _json(self, name: str) -> dict[str, Any]:
+        path = self.model_dir / name
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    @staticmethod
+    def _compile(source: str) -> Any:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        # The same environment options Hugging Face tokenizers compile chat templates with.
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(source)
+
+    # ---- rendering ----------------------------------------------------------------------
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        *,
+        add_generation_prompt: bool,
+    ) -> str:
+        return str(
+            self._template.render(
+                messages=messages,
+                tools=tools or None,
+                add_generation_prompt=add_generation_prompt,
+            )
+        )
+
+    def encode(self, text: str) -> list[int]:
+        if not self._pieces_exact or len(text) < 2048:
+            return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        out: list[int] = []
+        cache = self._piece_cache
+        for piece in self._split.split(text):
+            if not piece:
+                continue
+            special = self._special_by_text.get(piece)
+            if special is not None:
+                out.append(special)
+                continue
+            if len(piece) < 1024:
+                out.extend(self.tokenizer.encode(piece, add_special_tokens=False).ids)
+                continue
+            ids = cache.get(piece)
+            if ids is None:
+                ids = list(self.tokenizer.encode(piece, add_special_tokens=False).ids)
+                cache[piece] = ids
+                if len(cache) > 64:
+                    cache.popitem(last=False)
+            else:
+                cache.move_to_end(piece)
+            out.extend(ids)
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
+
+    def full_prompt(self, messages: list[Message], tools: list[Tool]) -> list[int]:
+        """Token ids of a whole conversation, ending with the generation prompt."""
+        text = self.render(
+            [m.template_dict() for m in messages],
+            [t.template_dict() for t in tools],
+            add_generation_prompt=True,
+        )
+        return self.encode(text)
+
+    def count(self, messages: list[Message], tools: list[Tool]) -> int:
+        """Exact prompt size of a conversation (no generation prompt), for count_tokens."""
+        text = self.render(
+            [m.template_dict() for m in messages],
+            [t.template_dict() for t in tools],
+            add_generation_prompt=False,
+        )
+        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def _split_after_anchor(self, text: str) -> int:
+        """Where the anchor assistant turn's end-of-turn token ends in ``text``."""
+        at = text.find(_ANCHOR[1]["content"])
+        end = text.find(self.eos_text, at) if at >= 0 else -1
+        if end < 0:
+            raise TemplateError(
+                "the chat template does not end assistant turns with the eos token "
+                f"{self.eos_text!r}: incremental rendering needs it"
+            )
+        return end + len(self.eos_text)
+
+    def continuation(self, new: list[Message], *, completion_ended: bool) -> list[int]:
+        """Tokens that follow a sampled completion: the template's glue after the assistant
+        turn, the new messages, and the generation prompt."""
+        full = self.render(
+            _ANCHOR + [m.template_dict() for m in new], None, add_generation_prompt=True
+        )
+        rest = full[self._split_after_anchor(full) :]
+        return self.encode(rest if completion_ended else self.eos_text + rest)
+
+    @cached_property
+    def stop_ids(self) -> list[int]:
+        return [self.eos_id]

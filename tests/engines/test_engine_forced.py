@@ -1,0 +1,128 @@
+"""The forced engine replays scripted completions exactly, scored by the real model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from engine_refs import (
+    IM_END,
+    MODEL,
+    agreement,
+    chat_prompt,
+    collect,
+    reference_logprobs,
+    reference_model,
+    tokenizer,
+)
+
+from legorl.engines import ForcedEngine, ForcedScript, make_engine
+from legorl.protocols import ContextLengthError, Engine, EngineError, GenerationRequest
+
+
+def forced(script: list | str, **options: object) -> ForcedEngine:
+    engine = make_engine("forced", model_path=str(MODEL), script=script, **options)
+    assert isinstance(engine, ForcedEngine) and isinstance(engine, Engine)
+    return engine
+
+
+def request(text: str, **fields: object) -> GenerationRequest:
+    fields.setdefault("stop_token_ids", [IM_END])
+    fields.setdefault("max_tokens", 200)
+    return GenerationRequest(prompt_ids=chat_prompt(text), **fields)
+
+
+@pytest.mark.asyncio
+async def test_replays_text_exactly_with_real_logprobs() -> None:
+    text = '<tool_call>\n{"name": "bash", "arguments": {"command": "ls -la"}}\n</tool_call>'
+    engine = forced([{"text": text}], chunk_tokens=3)
+    req = request("List the files.", temperature=0.8)
+    steps, chunks = await collect(engine, req)
+    ids = [s.token_id for s in steps]
+    assert ids == [*tokenizer().encode(text, add_special_tokens=False), IM_END]
+    assert tokenizer().decode(ids[:-1]) == text
+    assert chunks == -(-len(ids) // 3)  # streamed in chunks of three
+    ref = reference_logprobs(reference_model(), req.prompt_ids + ids, len(req.prompt_ids), 0.8)
+    max_delta, pearson = agreement([s.logprob for s in steps], ref)
+    assert max_delta < 1e-4 and pearson > 0.9999
+    await engine.close()
+
+
+@pytest.mark.asyncio
+async def test_ids_stop_flag_and_limits() -> None:
+    engine = forced(
+        [
+            {"ids": [300, 301, 302], "stop": False},
+            {"ids": [300, IM_END, 305]},  # cut after the first stop token
+            {"text": "a fairly long answer that will not fit"},
+        ]
+    )
+    steps, _ = await collect(engine, request("one"))
+    assert [s.token_id for s in steps] == [300, 301, 302]
+    steps, _ = await collect(engine, request("two"))
+    assert [s.token_id for s in steps] == [300, IM_END]
+    steps, _ = await collect(engine, request("three", max_tokens=4))
+    assert len(steps) == 4
+    with pytest.raises(EngineError, match="no scripted completion left"):
+        await collect(engine, request("four"))
+    assert len(engine.requests) == 3
+    await engine.close()
+
+
+@pytest.mark.asyncio
+async def test_match_and_repeat() -> None:
+    engine = forced(
+        [
+            {"text": "title", "match": "Generate a title"},
+            {"text": "step one"},
+            {"text": "fallback", "repeat": True},
+        ]
+    )
+
+    async def text_of(prompt: str) -> str:
+        steps, _ = await collect(engine, request(prompt))
+        return tokenizer().decode([s.token_id for s in steps], skip_special_tokens=True)
+
+    assert await text_of("Fix the bug") == "step one"  # the title entry does not match
+    assert await text_of("Generate a title for this chat") == "title"
+    assert await text_of("Fix the bug") == "fallback"
+    assert await text_of("Generate a title again") == "fallback"  # used up: repeat serves
+    assert engine.script.remaining == 1
+    await engine.close()
+
+
+@pytest.mark.asyncio
+async def test_scripts_from_files_and_bad_scripts(tmp_path: Path) -> None:
+    jsonl = tmp_path / "script.jsonl"
+    jsonl.write_text('{"text": "first"}\n\n{"ids": [400, 401], "stop": false}\n')
+    engine = forced(str(jsonl))
+    a, _ = await collect(engine, request("x"))
+    b, _ = await collect(engine, request("y"))
+    assert [s.token_id for s in b] == [400, 401] and a[-1].token_id == IM_END
+    await engine.close()
+    as_json = tmp_path / "script.json"
+    as_json.write_text(json.dumps([{"text": "only", "repeat": True}]))
+    assert len(ForcedScript.load(as_json).entries) == 1
+    for bad in ({"text": "a", "ids": [1]}, {"txt": "a"}, {"ids": [-1]}, {"text": "a", "repeat": 1}):
+        with pytest.raises(ValueError):
+            ForcedScript([bad])
+    (tmp_path / "broken.jsonl").write_text('{"text": "a"}\n{oops\n')
+    with pytest.raises(ValueError, match=r"broken\.jsonl:2"):
+        ForcedScript.load(tmp_path / "broken.jsonl")
+
+
+@pytest.mark.asyncio
+async def test_concurrent_sessions_context_and_weights(tmp_path: Path) -> None:
+    engine = forced([{"text": "ok", "repeat": True}], max_context=24)
+    with pytest.raises(ContextLengthError):
+        await collect(engine, GenerationRequest(prompt_ids=[5] * 24, max_tokens=3))
+    results = await asyncio.gather(
+        *(collect(engine, GenerationRequest(prompt_ids=[5] * 10, max_tokens=8)) for _ in range(5))
+    )
+    assert all(len(steps) == len(tokenizer().encode("ok")) for steps, _ in results)
+    reference_model().save_pretrained(tmp_path / "ckpt")
+    assert await engine.load_weights(str(tmp_path / "ckpt")) == 1
+    assert engine.policy_version == 1
+    await engine.close()
