@@ -52,3 +52,18 @@ def test_wheel_installs_a_working_console_script(tmp_path: Path) -> None:
         check=True,
     )
     assert str(env_dir) in where.stdout.decode()
+
+
+def test_every_package_is_in_the_wheel() -> None:
+    # pyproject lists packages by hand (cli/ installs as legorl.cli); a forgotten one would be
+    # missing from the wheel while the editable install still works.
+    import tomllib
+
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    on_disk = {"legorl.cli"} | {
+        ".".join(p.parent.relative_to(ROOT / "src").parts)
+        for p in (ROOT / "src" / "legorl").rglob("__init__.py")
+    }
+    assert listed == on_disk

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from conftest import ROOT
@@ -39,3 +42,35 @@ def test_readme_cat_examples_run(tmp_path: Path) -> None:
         assert result.returncode == 0, f"{line}: {result.stderr.decode()}"
     assert (tmp_path / "turns.jsonl").read_text().count("legorl/turn@1") == 2
     assert (tmp_path / "copy.jsonl").read_bytes() == (ROOT / "tests/data/golden.jsonl").read_bytes()
+
+
+def test_readme_proxy_example_answers(tmp_path: Path) -> None:
+    text = (ROOT / "README.md").read_text()
+    serve = next(ln for ln in text.splitlines() if ln.startswith("legorl proxy serve"))
+    curl = next(ln for ln in text.splitlines() if ln.startswith("curl -s http://127.0.0.1:8000"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve = serve.removesuffix("&").replace("8000", str(port)).split()
+    args = [str(ROOT / a) if a.startswith("fixtures/") else a for a in serve[1:]]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "legorl.cli.main", *args], cwd=tmp_path, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.2)
+        result = subprocess.run(
+            curl.replace("8000", str(port)), shell=True, capture_output=True, timeout=60
+        )
+        answer = json.loads(result.stdout)
+        assert answer["object"] == "chat.completion"
+        assert answer["usage"]["completion_tokens"] >= 1
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert (tmp_path / "runs" / "turns" / "demo.jsonl").exists()

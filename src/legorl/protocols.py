@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclass(slots=True, kw_only=True)
@@ -67,3 +67,81 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+# ---- sandboxes ---------------------------------------------------------------------------------
+
+
+@dataclass(slots=True, kw_only=True)
+class Limits:
+    """Resource limits of one sandbox; exceeding one ends the command with a classified status."""
+
+    cpus: float = 1.0
+    memory_mb: int = 2048
+    pids: int = 256
+    wall_s: float = 1800.0  # the whole sandbox's life
+    output_bytes: int = 1_000_000  # per command; more is cut and flagged
+
+
+@dataclass(slots=True, kw_only=True)
+class ExecResult:
+    exit_code: int | None  # None when killed (timeout, limit)
+    output: str  # stdout and stderr interleaved, cut at Limits.output_bytes
+    timed_out: bool = False
+    truncated: bool = False
+    killed_by: str | None = None  # "timeout" | "memory" | "pids" | "wall" | None
+    duration_s: float = 0.0
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself failed (could not start, daemon down, image missing): an environment
+    failure, never the agent's."""
+
+
+@runtime_checkable
+class Sandbox(Protocol):
+    """A running, locked-down copy of a task's repository at ``base_commit``.
+
+    The repository is at ``workdir``; its git history is one commit; the network reaches only
+    ``proxy_url`` (when one was given at start). ``test_patch`` is never inside.
+    """
+
+    id: str
+    workdir: str  # the repository's path inside the sandbox
+    proxy_url: str | None  # how code inside reaches the legorl proxy it was given
+
+    async def exec(
+        self,
+        cmd: str | list[str],
+        *,
+        timeout: float = 600.0,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bytes | None = None,
+    ) -> ExecResult: ...
+
+    async def write_file(self, path: str, data: bytes) -> None: ...
+
+    async def read_file(self, path: str) -> bytes: ...
+
+    async def diff(self) -> str:
+        """``git diff`` of the working tree (untracked files included) against base_commit."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class SandboxBackend(Protocol):
+    name: str  # "docker" | "local"
+
+    async def start(
+        self,
+        task: Any,  # legorl.records.Task
+        tasks_dir: str,  # folder the task file is in (task.source is relative to it)
+        *,
+        run_id: str,
+        proxy_url: str | None = None,  # host-side URL of the proxy endpoint to let through
+        limits: Limits | None = None,
+        harness_runtime: bool = False,  # attach the shared harness-runtime layer
+    ) -> Sandbox: ...

@@ -421,3 +421,46 @@ def test_malformed_tool_call_is_text_and_flagged(tmp_path: Path, api: str) -> No
         assert resp.status_code == 200
         (turn,) = proxy.turns("s8")
     assert turn.flags.malformed_tool_call and turn.output.tool_calls == []
+
+
+def test_weights_reload_under_load_drops_nothing(tmp_path: Path) -> None:
+    # The embedded engine (real generation with the tiny model); a second checkpoint with the
+    # same architecture and other weights.
+    import torch
+
+    ckpt = tmp_path / "ckpt"
+    model = load_model(str(MODEL), dtype="float32", device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    model.save_pretrained(ckpt)
+    with running_proxy(tmp_path / "turns", [], engine="embedded", admin_token="t0k") as proxy:
+        body = {"model": "m", "max_tokens": 24, "temperature": 1.0, "messages": [USER]}
+
+        def one(i: int) -> int:
+            return _chat(proxy.url, f"w{i}", {**body, "stream": i % 2 == 0}).status_code
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            calls = [pool.submit(one, i) for i in range(8)]
+            reload = httpx.post(
+                f"{proxy.url}/admin/weights",
+                json={"path": str(ckpt)},
+                headers={"authorization": "Bearer t0k"},
+                timeout=120,
+            )
+            statuses = [c.result() for c in calls]
+        assert reload.status_code == 200 and reload.json() == {"policy_version": 1}
+        assert statuses == [200] * 8
+        after = _chat(proxy.url, "w-after", body)
+        assert after.status_code == 200
+        versions = {i: proxy.turns(f"w{i}")[0].policy_version for i in range(8)}
+        (late,) = proxy.turns("w-after")
+    assert set(versions.values()) <= {0, 1}
+    assert late.policy_version == 1
+    # Its log-probs are the new weights' (recomputed here), not the old ones'.
+    ((_, prompt),) = segment_prompts([late])
+    seq = prompt + late.completion_ids
+    new = token_logprobs(model, seq, start=len(prompt), temperature=1.0)
+    old = token_logprobs(load_model(str(MODEL)), seq, start=len(prompt), temperature=1.0)
+    assert max(abs(a - b) for a, b in zip(new, late.completion_logprobs, strict=True)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(old, late.completion_logprobs, strict=True)) > 1e-2

@@ -143,7 +143,13 @@ def str_list(value: Any, path: str) -> list[str]:
 
 
 def random_id(prefix: str, length: int) -> str:
-    return prefix + "".join(secrets.choice(_ALNUM) for _ in range(length))
+    # One read of the OS's randomness per id, not one per character: ids are made per call.
+    n = int.from_bytes(secrets.token_bytes(length), "big")
+    chars = []
+    for _ in range(length):
+        n, k = divmod(n, len(_ALNUM))
+        chars.append(_ALNUM[k])
+    return prefix + "".join(chars)
 
 
 def dumps(value: Any) -> bytes:
