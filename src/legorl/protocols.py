@@ -145,3 +145,34 @@ class SandboxBackend(Protocol):
         limits: Limits | None = None,
         harness_runtime: bool = False,  # attach the shared harness-runtime layer
     ) -> Sandbox: ...
+
+
+# ---- harnesses ---------------------------------------------------------------------------------
+
+
+@dataclass(slots=True, kw_only=True)
+class HarnessRun:
+    """How a harness ended inside its sandbox, before the rollout stage adds the patch."""
+
+    status: str  # a records.Status: ok | agent_error | timeout | harness_crash | proxy_error
+    exit_code: int | None
+    log_tail: str  # the last lines of the harness's own output, as evidence
+    duration_s: float = 0.0
+
+
+@runtime_checkable
+class Harness(Protocol):
+    """An agent harness run unmodified in a sandbox against one proxy session.
+
+    ``run`` installs or finds the harness (the sandbox's harness-runtime layer, or the host's
+    binaries for the local backend), configures it only through its own settings and
+    environment, launches it non-interactively on the task's problem statement and classifies
+    how it ended. Adding a harness is one small class like this and a registry entry in
+    ``legorl.harnesses.HARNESSES``.
+    """
+
+    name: str
+
+    async def run(
+        self, sandbox: Sandbox, prompt: str, *, model: str, timeout: float
+    ) -> HarnessRun: ...

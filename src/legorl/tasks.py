@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 __all__ = ["PatchError", "TaskError", "TaskLike", "apply_patch", "checkout"]
 
@@ -88,3 +88,67 @@ def apply_patch(repo: Path, patch: str) -> None:
     error = _git(["apply", "--whitespace=nowarn", "-"], cwd=Path(repo), stdin=patch.encode())
     if error:
         raise PatchError(f"git apply failed in {repo}: {error}")
+
+
+def load_tasks(path: str | Path) -> list[Any]:
+    """Task records from a JSONL, JSON or Parquet file of SWE-bench-format instances.
+
+    Plain SWE-bench rows (no ``schema``, ``FAIL_TO_PASS`` as a JSON-encoded string) are
+    accepted; any unknown or missing field is a ``TaskError`` naming the file, the instance
+    and the field.
+    """
+    import orjson
+
+    from legorl.records import FieldError, Task, from_dict
+
+    path = Path(path)
+    if not path.is_file():
+        raise TaskError(f"{path}: no such task file")
+    rows: list[tuple[str, Any]] = []  # (where, row)
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        for lineno, raw in enumerate(path.read_bytes().splitlines(), 1):
+            if raw.strip():
+                try:
+                    rows.append((f"{path}:{lineno}", orjson.loads(raw)))
+                except orjson.JSONDecodeError as exc:
+                    raise TaskError(f"{path}:{lineno}: malformed JSON: {exc}") from None
+    elif suffix == ".json":
+        try:
+            data = orjson.loads(path.read_bytes())
+        except orjson.JSONDecodeError as exc:
+            raise TaskError(f"{path}: malformed JSON: {exc}") from None
+        if isinstance(data, dict):
+            data = data.get("instances", [data])
+        if not isinstance(data, list):
+            raise TaskError(f"{path}: expected a list of task objects")
+        rows = [(f"{path} entry {i + 1}", row) for i, row in enumerate(data)]
+    elif suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise TaskError(
+                f"{path}: reading Parquet needs pyarrow (pip install pyarrow)"
+            ) from None
+        table = pq.read_table(path)
+        rows = [(f"{path} row {i + 1}", row) for i, row in enumerate(table.to_pylist())]
+    else:
+        raise TaskError(f"{path}: unknown task file type {suffix!r} (use .jsonl, .json, .parquet)")
+    tasks = []
+    for where, row in rows:
+        if not isinstance(row, dict):
+            raise TaskError(f"{where}: expected a task object")
+        iid = row.get("instance_id", "?")
+        row = dict(row)
+        row.setdefault("schema", Task.SCHEMA)
+        for key in ("FAIL_TO_PASS", "PASS_TO_PASS"):
+            if isinstance(row.get(key), str):  # Hugging Face SWE-bench stores these as JSON text
+                try:
+                    row[key] = orjson.loads(row[key])
+                except orjson.JSONDecodeError:
+                    raise TaskError(f"{where}: instance {iid}: {key}: not a JSON list") from None
+        try:
+            tasks.append(from_dict(row, Task))
+        except FieldError as exc:
+            raise TaskError(f"{where}: instance {iid}: {exc}") from None
+    return tasks

@@ -294,7 +294,7 @@ def test_openhands_sdk_tool_round_trip(tmp_path: Path) -> None:
         stdout = _run(
             [
                 python,
-                str(ROOT / "tests/proxy/data/openhands_run.py"),
+                str(ROOT / "src/legorl/harnesses/openhands_driver.py"),
                 f"http://127.0.0.1:{port}/s/oh/v1",
                 str(work),
                 "legorl-e2e: write the file",

@@ -1,6 +1,7 @@
-"""Run the OpenHands SDK agent once against a legorl proxy (runs in the Python 3.12 venv).
+"""Run the OpenHands SDK agent once against a legorl proxy. Copied into the sandbox and run
+with the harness runtime's Python 3.12 venv, which has the SDK (legorl itself is not needed).
 
-python openhands_run.py BASE_URL WORKSPACE PROMPT
+    python openhands_driver.py BASE_URL WORKSPACE PROMPT
 """
 
 import os
