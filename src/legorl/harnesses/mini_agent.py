@@ -175,7 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with open(args.task, encoding="utf-8") as fh:
         task = fh.read()
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}]
+    messages: list[dict] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": task},
+    ]
     try:
         for turn in range(args.max_turns):
             answer = chat(args, messages)
