@@ -39,6 +39,7 @@ from legorl.proxy.tokens import ChatTokenizer
 from legorl.proxy.wire import WIRES
 from legorl.records import JsonlWriter, ToolCall, Turn, TurnFlags, TurnOutput
 
+_OPEN_TURN_FILES = 256  # Turn files kept open at once; older ones are reopened when needed
 _SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _ROUTE = re.compile(r"^(?:/s/(?P<session>[^/]+))?(?P<rest>/.*)?$")
 _ENDPOINTS: dict[str, ApiName] = {
@@ -85,6 +86,7 @@ class ProxyCore:
             self.out.mkdir(parents=True, exist_ok=True)
         self.sessions: dict[str, Session] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._writers: dict[str, JsonlWriter] = {}  # one open Turn file per live session
         self.stats = {"requests": 0, "errors": 0, "cancelled": 0}
 
     # ---- entry point --------------------------------------------------------------------
@@ -209,16 +211,33 @@ class ProxyCore:
             return self._json(200, {"policy_version": version})
         if method == "POST" and rest == "/admin/sessions":
             sid = data.get("id")
-            if not isinstance(sid, str) or not _SESSION_ID.match(sid):
-                raise ApiError(400, "id: expected a session id of letters, digits, . _ -")
-            self.sessions.setdefault(sid, Session(sid, self.tok))
+            if not isinstance(sid, str):
+                raise ApiError(400, "id: expected a string", param="id")
+            self.open_session(sid)
             return self._json(200, {"id": sid})
         if method == "DELETE" and rest.startswith("/admin/sessions/"):
             sid = rest.rsplit("/", 1)[1]
-            self.sessions.pop(sid, None)
-            self._locks.pop(sid, None)
+            self.close_session(sid)
             return self._json(200, {"id": sid, "deleted": True})
         raise ApiError(404, f"no admin route {method} {rest}", kind="not_found_error")
+
+    def open_session(self, sid: str) -> None:
+        """Accept calls for ``sid`` (needed when ``open_sessions`` is off)."""
+        if not _SESSION_ID.match(sid):
+            raise ApiError(400, "id: expected a session id of letters, digits, . _ -")
+        self.sessions.setdefault(sid, Session(sid, self.tok))
+
+    def close_session(self, sid: str) -> None:
+        """Forget a session's state and close its Turn file."""
+        self.sessions.pop(sid, None)
+        self._locks.pop(sid, None)
+        writer = self._writers.pop(sid, None)
+        if writer is not None:
+            writer.close()
+
+    def close(self) -> None:
+        for sid in list(self._writers):
+            self._writers.pop(sid).close()
 
     def _count_tokens(self, body: bytes) -> Response:
         wire = WIRES["anthropic"]
@@ -434,8 +453,13 @@ class ProxyCore:
             timings={k: round(v, 6) for k, v in meta.items()},
             time=arrived,
         )
-        with JsonlWriter(self.out / f"{session_id}.jsonl") as writer:
-            writer.write(turn)
+        writer = self._writers.pop(session_id, None)
+        if writer is None:
+            writer = JsonlWriter(self.out / f"{session_id}.jsonl")
+            if len(self._writers) >= _OPEN_TURN_FILES:
+                self._writers.pop(next(iter(self._writers))).close()  # least recently used
+        self._writers[session_id] = writer
+        writer.write(turn)
 
 
 class _StopStrings:
