@@ -34,9 +34,16 @@ def _proxy(args: argparse.Namespace) -> dict[str, Any]:
     return bench_proxy(quick=args.quick)
 
 
+def _align(args: argparse.Namespace) -> dict[str, Any]:
+    from legorl.bench.align import bench_align
+
+    return bench_align(quick=args.quick)
+
+
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "records_io": _records_io,
     "proxy": _proxy,
+    "align": _align,
 }
 
 

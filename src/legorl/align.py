@@ -1,0 +1,450 @@
+"""The align stage: graded Trajectories and their Turns in, token-exact training Samples out.
+
+    legorl align graded.jsonl --out samples.jsonl --summary align.json
+    legorl align graded.jsonl --check --model fixtures/models/tiny-qwen3 > /dev/null
+
+    from legorl.align import AlignStats, align
+    stats = AlignStats()
+    samples = list(align(trajectories, base_dir=Path("runs"), stats=stats))
+
+The proxy recorded every call as a Turn whose prompt is a delta against its segment. ``align``
+walks each episode's Turns once, grouped by (session, segment), and concatenates prompt deltas
+and sampled completions into one sequence for as long as each prompt token-exactly extends the
+previous prompt + completion; a prompt that does not starts a new Sample with its own left
+context. ``loss_mask`` is 1 on sampled completion tokens only, and ``rollout_logprobs`` carries
+the engine's log-prob of each of them. Every Sample of an episode keeps the episode id (the
+trajectory id), its index among the episode's samples and their count, the group id and the
+episode's reward, so the trainer can give all segments the episode's advantage.
+
+Auxiliary sub-sessions (``flags.aux``: title calls, sub-agents) are left out unless
+``include_aux``; then they become samples of their own, flagged ``aux``. Episodes whose status is
+an environment failure or whose reward is null are dropped and counted by reason, never scored 0.
+Work and storage are linear in the episode's tokens: nothing rebuilds a full prompt per turn.
+
+``FidelityCheck`` is the trainer's side of pillar 1: it recomputes the log-prob of every loss
+token with the model (``legorl.engines.models.token_logprobs``) and reports the Pearson
+correlation of probabilities on loss tokens, mean and max |Δ log-prob| and the k3 estimate of
+KL(rollout ‖ trainer), per sample and overall.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from legorl.records import (
+    ENVIRONMENT_FAILURES,
+    RecordError,
+    Sample,
+    Trajectory,
+    Turn,
+    read_jsonl,
+)
+
+#: Why an episode yields no samples; the keys of ``AlignStats.dropped`` besides failure statuses.
+NO_REWARD = "no_reward"
+NO_TURNS = "no_turns"
+NO_TRAINABLE_TURNS = "no_trainable_turns"
+INVALID = "invalid"
+
+
+class AlignError(ValueError):
+    """An episode cannot become samples; the message names the trajectory and, when one is to
+    blame, the session and turn."""
+
+    def __init__(self, trajectory_id: str, message: str, turn: Turn | None = None) -> None:
+        where = f"trajectory {trajectory_id!r}"
+        if turn is not None:
+            where += f", session {turn.session!r} turn {turn.turn}"
+        super().__init__(f"{where}: {message}")
+        self.trajectory_id = trajectory_id
+        self.turn = turn
+
+
+@dataclass(slots=True)
+class AlignStats:
+    """Counts over one or more ``align`` calls; ``summary()`` is the JSON the CLI writes."""
+
+    episodes_in: int = 0
+    episodes: int = 0  # kept: yielded at least one sample
+    samples: int = 0
+    aux_samples: int = 0
+    turns: int = 0  # turns of kept episodes that went into samples
+    aux_turns_excluded: int = 0
+    realigned_turns: int = 0  # turns whose history the proxy repaired to the raw tokens
+    breaks: int = 0  # samples opened inside a proxy segment: the prompt stopped extending
+    mixed_policy_samples: int = 0  # samples whose turns came from more than one policy version
+    trained_tokens: int = 0
+    total_tokens: int = 0
+    max_samples_per_episode: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)  # first messages of skipped episodes
+
+    def drop(self, reason: str) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "episodes_in": self.episodes_in,
+            "episodes": self.episodes,
+            "samples": self.samples,
+            "aux_samples": self.aux_samples,
+            "segments_per_episode": {
+                "mean": self.samples / self.episodes if self.episodes else None,
+                "max": self.max_samples_per_episode,
+            },
+            "turns": self.turns,
+            "aux_turns_excluded": self.aux_turns_excluded,
+            "realigned_turns": self.realigned_turns,
+            "breaks": self.breaks,
+            "mixed_policy_samples": self.mixed_policy_samples,
+            "trained_tokens": self.trained_tokens,
+            "total_tokens": self.total_tokens,
+            "trained_fraction": (
+                self.trained_tokens / self.total_tokens if self.total_tokens else None
+            ),
+            "dropped": dict(sorted(self.dropped.items())),
+            "errors": list(self.errors),
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# Turns of a trajectory
+# --------------------------------------------------------------------------------------------
+
+TurnLoader = Callable[[Trajectory], Iterable[Turn]]
+
+
+def turns_of(traj: Trajectory, base_dir: Path | None = None) -> Iterator[Turn]:
+    """The trajectory's turns: inline, or read from its ``turns_ref`` files (relative to
+    ``base_dir``, the trajectory file's folder; None: the working directory)."""
+    if traj.turns is not None and traj.turns_ref is not None:
+        raise AlignError(traj.trajectory_id, "has both turns and turns_ref; give one")
+    if traj.turns is not None:
+        yield from traj.turns
+        return
+    base = base_dir if base_dir is not None else Path.cwd()
+    for ref in traj.turns_ref or ():
+        path = base / ref
+        if not path.is_file():
+            raise AlignError(traj.trajectory_id, f"turns_ref {ref!r}: no such file ({path})")
+        try:
+            yield from read_jsonl(path, Turn)
+        except RecordError as err:
+            raise AlignError(traj.trajectory_id, f"turns_ref {ref!r}: {err}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Merging turns into samples
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Open:
+    """A sample being built: the segment's tokens so far, which are also its input_ids."""
+
+    order: int  # call order of its first turn, to emit samples in that order
+    aux: bool
+    policy_version: int
+    input_ids: list[int] = field(default_factory=list)  # [T]
+    loss_mask: list[int] = field(default_factory=list)  # [T]
+    logprobs: list[float] = field(default_factory=list)  # [sum(loss_mask)]
+    mixed_policy: bool = False
+
+
+def _add_completion(traj_id: str, turn: Turn, open_: _Open) -> None:
+    ids, lps = turn.completion_ids, turn.completion_logprobs
+    if len(lps) != len(ids):
+        raise AlignError(
+            traj_id,
+            f"{len(ids)} completion tokens but {len(lps)} log-probs: every loss token needs "
+            "its rollout log-prob",
+            turn,
+        )
+    if not all(math.isfinite(x) for x in lps):
+        bad = next(i for i, x in enumerate(lps) if not math.isfinite(x))
+        raise AlignError(traj_id, f"completion token {bad} has a non-finite log-prob", turn)
+    open_.input_ids.extend(ids)
+    open_.loss_mask.extend([1] * len(ids))
+    open_.logprobs.extend(lps)
+    if turn.policy_version != open_.policy_version:
+        open_.mixed_policy = True
+
+
+def _episode_samples(
+    traj: Trajectory, turns: Iterable[Turn], include_aux: bool, stats: AlignStats
+) -> tuple[list[_Open], int]:
+    """The episode's samples in call order of their first turn, and how many turns it had."""
+    tid = traj.trajectory_id
+    current: dict[tuple[str, int], _Open] = {}  # (session, segment) -> the sample it extends
+    last_turn: dict[str, int] = {}  # session -> last turn index, to catch disorder
+    last_segment: dict[str, int] = {}
+    done: list[_Open] = []
+    seen = aux_excluded = realigned = breaks = used = 0
+    for turn in turns:
+        seen += 1
+        prev = last_turn.get(turn.session)
+        if prev is not None and turn.turn <= prev:
+            raise AlignError(
+                tid, f"comes after turn {prev} of its session: turns must be in call order", turn
+            )
+        last_turn[turn.session] = turn.turn
+        if turn.segment < last_segment.get(turn.session, 0):
+            raise AlignError(
+                tid,
+                f"is in segment {turn.segment} after segment {last_segment[turn.session]} "
+                "of its session",
+                turn,
+            )
+        last_segment[turn.session] = turn.segment
+        if turn.flags.aux and not include_aux:
+            aux_excluded += 1
+            continue
+        used += 1
+        realigned += turn.flags.realigned > 0
+        key = (turn.session, turn.segment)
+        open_ = current.get(key)
+        held = open_.input_ids if open_ is not None else []
+        offset, delta = turn.prompt_offset, turn.prompt_delta
+        if offset > len(held):
+            raise AlignError(
+                tid,
+                f"prompt_offset {offset} points past the {len(held)} tokens its segment "
+                f"{turn.segment} holds (a turn of the segment is missing, or out of order)",
+                turn,
+            )
+        # The prompt is held[:offset] + delta. It extends held (previous prompt + completion)
+        # when the tokens it replaces are the same ones: compare only that overlap.
+        overlap = len(held) - offset
+        extends = open_ is not None and len(delta) >= overlap and delta[:overlap] == held[offset:]
+        if open_ is not None and extends:
+            new = delta[overlap:]
+            open_.input_ids.extend(new)
+            open_.loss_mask.extend([0] * len(new))
+        else:
+            if open_ is not None:
+                done.append(open_)
+                breaks += 1
+            fresh = _Open(order=seen, aux=turn.flags.aux, policy_version=turn.policy_version)
+            fresh.input_ids = held[:offset] + delta
+            fresh.loss_mask = [0] * len(fresh.input_ids)
+            current[key] = open_ = fresh
+        if not open_.input_ids:
+            raise AlignError(tid, "has an empty prompt", turn)
+        _add_completion(tid, turn, open_)
+    done.extend(current.values())
+    done.sort(key=lambda s: s.order)
+    stats.aux_turns_excluded += aux_excluded
+    if done:
+        stats.turns += used
+        stats.realigned_turns += realigned
+        stats.breaks += breaks
+    return done, seen
+
+
+def align(
+    trajectories: Iterable[Trajectory],
+    *,
+    include_aux: bool = False,
+    base_dir: Path | None = None,
+    load_turns: TurnLoader | None = None,
+    stats: AlignStats | None = None,
+    skip_bad: bool = False,
+) -> Iterator[Sample]:
+    """Samples of each trajectory, episode by episode, in input order.
+
+    Turns come from ``load_turns(traj)`` when given, else inline or from ``turns_ref`` files
+    relative to ``base_dir`` (``turns_of``). Raises ``AlignError`` (naming the trajectory and
+    turn) for an episode that cannot be aligned; with ``skip_bad`` that episode is dropped,
+    counted as ``invalid`` and its message kept in ``stats.errors`` instead.
+    """
+    stats = stats if stats is not None else AlignStats()
+    for traj in trajectories:
+        stats.episodes_in += 1
+        if traj.status in ENVIRONMENT_FAILURES:
+            stats.drop(traj.status)
+            continue
+        if traj.reward is None:
+            stats.drop(NO_REWARD)
+            continue
+        turns = load_turns(traj) if load_turns is not None else turns_of(traj, base_dir)
+        try:
+            opens, seen = _episode_samples(traj, turns, include_aux, stats)
+        except AlignError as err:
+            if not skip_bad:
+                raise
+            stats.drop(INVALID)
+            if len(stats.errors) < 20:
+                stats.errors.append(str(err))
+            continue
+        if not opens:
+            stats.drop(NO_TRAINABLE_TURNS if seen else NO_TURNS)
+            continue
+        stats.episodes += 1
+        stats.samples += len(opens)
+        stats.max_samples_per_episode = max(stats.max_samples_per_episode, len(opens))
+        for index, o in enumerate(opens):
+            stats.aux_samples += o.aux
+            stats.mixed_policy_samples += o.mixed_policy
+            stats.trained_tokens += len(o.logprobs)
+            stats.total_tokens += len(o.input_ids)
+            yield Sample(
+                sample_id=f"{traj.trajectory_id}/{index}",
+                episode_id=traj.trajectory_id,
+                group_id=traj.group_id,
+                segment_index=index,
+                segment_count=len(opens),
+                input_ids=o.input_ids,
+                loss_mask=o.loss_mask,
+                rollout_logprobs=o.logprobs,
+                reward=traj.reward,
+                policy_version=o.policy_version,
+                aux=o.aux,
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# Fidelity: the trainer's log-probs against the rollout's, on the loss tokens
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Moments:
+    """Running co-moments of paired values (Chan et al.'s parallel update), for Pearson."""
+
+    n: int = 0
+    mean_x: float = 0.0
+    mean_y: float = 0.0
+    m2_x: float = 0.0
+    m2_y: float = 0.0
+    c_xy: float = 0.0
+
+    def merge(self, o: _Moments) -> None:
+        if o.n == 0:
+            return
+        n = self.n + o.n
+        dx, dy = o.mean_x - self.mean_x, o.mean_y - self.mean_y
+        w = self.n * o.n / n
+        self.m2_x += o.m2_x + dx * dx * w
+        self.m2_y += o.m2_y + dy * dy * w
+        self.c_xy += o.c_xy + dx * dy * w
+        self.mean_x += dx * o.n / n
+        self.mean_y += dy * o.n / n
+        self.n = n
+
+    def pearson(self) -> float | None:
+        """None when undefined: fewer than two values, or one side constant."""
+        if self.n < 2 or self.m2_x <= 0.0 or self.m2_y <= 0.0:
+            return None
+        return max(-1.0, min(1.0, self.c_xy / math.sqrt(self.m2_x * self.m2_y)))
+
+
+@dataclass(slots=True, kw_only=True)
+class SampleCheck:
+    """Rollout vs trainer on one sample's loss tokens."""
+
+    sample_id: str
+    tokens: int
+    pearson: float | None  # of probabilities; None when undefined
+    mean_abs_diff: float  # mean |Δ log-prob|
+    max_abs_diff: float
+    k3_kl: float  # k3 estimate of KL(rollout ‖ trainer): mean of r - 1 - log r, r = p_train / p_rollout
+
+
+class FidelityCheck:
+    """Recompute every loss token's log-prob with ``model`` and compare with the rollout's.
+
+    ``temperature`` must be the one the rollout sampled at: engines record log-probs of
+    ``log_softmax(logits / T)``. Feed samples to ``score`` one at a time (memory stays one
+    sample); ``report`` gives the overall figures.
+    """
+
+    def __init__(self, model: Any, *, temperature: float = 1.0, chunk: int | None = None) -> None:
+        self.model = model
+        self.temperature = temperature
+        self.chunk = chunk
+        self.checks: list[SampleCheck] = []
+        self._moments = _Moments()
+        self._abs_sum = 0.0
+        self._abs_max = 0.0
+        self._k3_sum = 0.0
+
+    def trainer_logprobs(self, sample: Sample) -> list[float]:
+        """The model's log-prob of each loss token of ``sample``, in order."""
+        from legorl.engines.models import DEFAULT_LOGPROB_CHUNK, token_logprobs
+
+        mask = sample.loss_mask
+        first = next((i for i, m in enumerate(mask) if m), None)
+        if first is None:
+            return []
+        if first == 0:
+            raise ValueError(f"sample {sample.sample_id!r}: its first token is a loss token")
+        lps = token_logprobs(
+            self.model,
+            sample.input_ids,
+            start=first,
+            temperature=self.temperature,
+            chunk=self.chunk or DEFAULT_LOGPROB_CHUNK,
+        )
+        return [lp for lp, m in zip(lps, mask[first:], strict=True) if m]
+
+    def score(self, sample: Sample) -> SampleCheck:
+        import torch
+
+        trainer = torch.tensor(self.trainer_logprobs(sample), dtype=torch.float64)  # [N]
+        rollout = torch.tensor(sample.rollout_logprobs, dtype=torch.float64)  # [N]
+        if trainer.shape != rollout.shape:
+            raise ValueError(
+                f"sample {sample.sample_id!r}: {rollout.numel()} rollout log-probs for "
+                f"{trainer.numel()} loss tokens"
+            )
+        n = int(trainer.numel())
+        diff = trainer - rollout  # log r, r = p_train / p_rollout
+        absd = diff.abs()
+        k3 = torch.expm1(diff) - diff
+        x, y = rollout.exp(), trainer.exp()
+        m = _Moments()
+        if n:
+            mx, my = float(x.mean()), float(y.mean())
+            dx, dy = x - mx, y - my
+            m = _Moments(n, mx, my, float(dx @ dx), float(dy @ dy), float(dx @ dy))
+        check = SampleCheck(
+            sample_id=sample.sample_id,
+            tokens=n,
+            pearson=m.pearson(),
+            mean_abs_diff=float(absd.mean()) if n else 0.0,
+            max_abs_diff=float(absd.max()) if n else 0.0,
+            k3_kl=float(k3.mean()) if n else 0.0,
+        )
+        self._moments.merge(m)
+        self._abs_sum += float(absd.sum())
+        self._abs_max = max(self._abs_max, check.max_abs_diff)
+        self._k3_sum += float(k3.sum())
+        self.checks.append(check)
+        return check
+
+    def report(self) -> dict[str, Any]:
+        """Overall figures over every loss token scored so far."""
+        n = self._moments.n
+        return {
+            "samples": len(self.checks),
+            "tokens": n,
+            "pearson": self._moments.pearson(),
+            "mean_abs_diff": self._abs_sum / n if n else None,
+            "max_abs_diff": self._abs_max if n else None,
+            "k3_kl": self._k3_sum / n if n else None,
+            "temperature": self.temperature,
+        }
+
+
+def check_fidelity(
+    samples: Iterable[Sample], model: Any, *, temperature: float = 1.0
+) -> tuple[dict[str, Any], list[SampleCheck]]:
+    """Score every sample with ``model``; the overall report and the per-sample checks."""
+    check = FidelityCheck(model, temperature=temperature)
+    for sample in samples:
+        check.score(sample)
+    return check.report(), check.checks
