@@ -19,10 +19,11 @@ from legorl.records import Sample, Trajectory, read_jsonl, to_json, write_jsonl
 ROOT = Path(__file__).resolve().parents[2]
 
 #: The README's align example, run as written from a folder holding tests/data and fixtures.
+# The align examples exactly as the README shows them.
 README_EXAMPLE = [
-    "legorl align tests/data/align/graded.jsonl --out samples.jsonl --summary align.json",
-    "legorl align tests/data/align/graded.jsonl --include-aux --check "
-    "--model fixtures/models/tiny-qwen3 > /dev/null",
+    line.strip()
+    for line in (Path(__file__).resolve().parents[2] / "README.md").read_text().splitlines()
+    if line.startswith("legorl align tests/data/align")
 ]
 
 
@@ -241,6 +242,7 @@ def test_readme_example_runs_as_written(tmp_path: Path) -> None:
     shim = bindir / "legorl"
     shim.write_text(f'#!/bin/sh\nexec {sys.executable} -m legorl.cli.main "$@"\n')
     shim.chmod(0o755)
+    assert len(README_EXAMPLE) == 2
     for line in README_EXAMPLE:
         result = subprocess.run(
             line,
