@@ -139,6 +139,7 @@ class Turn(Record):
     model: str  # the served model
     requested_model: str = ""  # what the harness asked for
     policy_version: int = 0
+    temperature: float = 1.0  # the sampling temperature the log-probs are taken at
     prompt_offset: int  # tokens of the segment that precede prompt_delta
     prompt_delta: list[int]
     completion_ids: list[int]

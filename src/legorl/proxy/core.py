@@ -434,6 +434,7 @@ class ProxyCore:
             model=self.served_name,
             requested_model=req.model,
             policy_version=version,
+            temperature=1.0 if req.temperature is None else req.temperature,
             prompt_offset=plan.prompt_offset,
             prompt_delta=plan.prompt_delta,
             completion_ids=ids,
