@@ -38,6 +38,13 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def redteam(session: nox.Session) -> None:
+    """Every known reward hack through real rollout + verify in Docker; writes build/redteam.md."""
+    _install(session)
+    session.run("pytest", "tests/verify/test_redteam.py", "-v", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """Benchmarks measured side by side in one run; the report goes to bench.json."""
     _install(session)

@@ -36,16 +36,6 @@ def fail(command: str, message: str, code: int = 1) -> NoReturn:
     raise typer.Exit(code)
 
 
-def not_built(command: str, issue: int) -> NoReturn:
-    """Stages that do not exist yet say so in one line and exit 2; they never fake output."""
-    console.print(
-        f"legorl {command}: not built yet (tracked in issue #{issue}); nothing was read or written.",
-        markup=False,
-        soft_wrap=True,
-    )
-    raise typer.Exit(2)
-
-
 def iter_inputs(
     command: str,
     paths: list[Path] | None,

@@ -22,17 +22,14 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-# Stages that are not built yet take any arguments, so they can say so instead of a usage error.
-_PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
-
 app.add_typer(proxy.app, name="proxy", help=proxy.HELP)
-app.command("sandbox", context_settings=_PASS_THROUGH, help=sandbox.HELP)(sandbox.sandbox)
-app.command("rollout", context_settings=_PASS_THROUGH, help=rollout.HELP)(rollout.rollout)
-app.command("verify", context_settings=_PASS_THROUGH, help=verify.HELP)(verify.verify)
+app.add_typer(sandbox.app, name="sandbox", help=sandbox.HELP)
+app.command("rollout", help=rollout.HELP)(rollout.rollout)
+app.command("verify", help=verify.HELP)(verify.verify)
 app.command("align", help=align.HELP)(align.align)
-app.command("train", context_settings=_PASS_THROUGH, help=train.HELP)(train.train)
-app.command("inspect", context_settings=_PASS_THROUGH, help=inspect.HELP)(inspect.inspect)
-app.command("check", context_settings=_PASS_THROUGH, help=check.HELP)(check.check)
+app.command("train", help=train.HELP)(train.train)
+app.command("inspect", help=inspect.HELP)(inspect.inspect)
+app.command("check", help=check.HELP)(check.check)
 app.command("cat")(cat.cat)
 
 

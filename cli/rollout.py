@@ -1,16 +1,181 @@
-"""`legorl rollout`: Run a harness on tasks in sandboxes through the proxy; writes trajectories.
+"""`legorl rollout`: run a harness on tasks in sandboxes through the proxy.
 
-Not built yet (issue #5): the command says so in one line and exits 2.
+    legorl rollout --tasks fixtures/tasks/train.jsonl --harness mini --group-size 2 --limit 4 \\
+        --engine embedded --model fixtures/models/tiny-qwen3 --sandbox local --out runs/traj.jsonl
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import uuid
+from pathlib import Path
+from typing import Annotated, Any
+
 import typer
-from legorl.cli._common import not_built
+from legorl.cli._common import console, fail
 
 HELP = "Run a harness on tasks in sandboxes through the proxy; writes trajectories."
 
 
-def rollout(ctx: typer.Context) -> None:
-    """Run a harness on tasks in sandboxes through the proxy; writes trajectories."""
-    not_built("rollout", issue=5)
+def _opts(pairs: list[str] | None, flag: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            fail("rollout", f"{flag} {pair!r}: expected KEY=VALUE", 2)
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def rollout(
+    tasks: Annotated[
+        Path, typer.Option("--tasks", "-t", help="Task file: .jsonl, .json or .parquet.")
+    ],
+    harness: Annotated[
+        str, typer.Option(help="mini | claude-code | opencode | openhands-sdk")
+    ] = "mini",
+    group_size: Annotated[int, typer.Option("--group-size", "-g", help="Samples per task.")] = 1,
+    concurrency: Annotated[int, typer.Option("--concurrency", "-c", help="Runs at once.")] = 1,
+    limit: Annotated[int | None, typer.Option(help="Only the first N tasks.")] = None,
+    model: Annotated[
+        Path | None, typer.Option("--model", "-m", help="Model folder for the in-process proxy.")
+    ] = None,
+    engine: Annotated[
+        str, typer.Option(help="embedded | forced | vllm (in-process proxy).")
+    ] = "embedded",
+    engine_opt: Annotated[
+        list[str] | None, typer.Option("--engine-opt", help="Engine KEY=VALUE.")
+    ] = None,
+    script: Annotated[
+        Path | None, typer.Option(help="forced engine: scripted completions file.")
+    ] = None,
+    proxy: Annotated[
+        str | None, typer.Option(help="Use a running proxy at this URL instead.")
+    ] = None,
+    proxy_turns: Annotated[
+        Path | None, typer.Option(help="With --proxy: the folder it writes Turns to.")
+    ] = None,
+    proxy_token: Annotated[
+        str | None, typer.Option(help="With --proxy: its admin token (opens sessions).")
+    ] = None,
+    sandbox: Annotated[str, typer.Option(help="docker | local")] = "local",
+    harness_opt: Annotated[
+        list[str] | None, typer.Option("--harness-opt", help="Harness KEY=VALUE, e.g. max_turns=8.")
+    ] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds per harness run.")] = 600.0,
+    out: Annotated[
+        Path | None, typer.Option("--out", "-o", help="Trajectory file (appended; resumable).")
+    ] = None,
+    turns_dir: Annotated[
+        Path | None, typer.Option(help="Where Turn files go (default: OUT.turns/).")
+    ] = None,
+    served_model: Annotated[str, typer.Option(help="Model name the harness asks for.")] = "",
+    strict: Annotated[bool, typer.Option(help="Stop at the first monitor alert.")] = False,
+) -> None:
+    """Run HARNESS on each task GROUP_SIZE times; one Trajectory per run, resumable."""
+    from rich.progress import Progress as RichProgress
+
+    from legorl.harnesses import make_harness
+    from legorl.monitors import Monitor, MonitorStop
+    from legorl.protocols import Limits, SandboxError
+    from legorl.records import JsonlWriter
+    from legorl.rollout import Progress, finished_ids, plan_runs, remote_proxy
+    from legorl.rollout import rollout as run_all
+    from legorl.sandbox import make_backend
+    from legorl.tasks import TaskError, load_tasks
+
+    try:
+        task_list = load_tasks(tasks)
+    except TaskError as exc:
+        fail("rollout", str(exc))
+    if (proxy is None) == (model is None):
+        fail("rollout", "give --model (in-process proxy) or --proxy URL with --proxy-turns", 2)
+    if proxy is not None and proxy_turns is None:
+        fail("rollout", "--proxy needs --proxy-turns: the folder that proxy writes Turns to", 2)
+    try:
+        agent = make_harness(harness, **_opts(harness_opt, "--harness-opt"))
+        backend = make_backend(sandbox)
+    except (ValueError, TypeError, SandboxError) as exc:
+        fail("rollout", str(exc), 2)
+    turns = (
+        proxy_turns or turns_dir or (out.with_name(out.name + ".turns") if out else Path("turns"))
+    )
+    turns.mkdir(parents=True, exist_ok=True)
+    runs = plan_runs(task_list, group_size, limit, finished_ids(out))
+    skipped = (min(limit or len(task_list), len(task_list)) * group_size) - len(runs)
+    if skipped:
+        console.print(f"legorl rollout: {skipped} run(s) already in {out}, skipped", markup=False)
+    refs_base = out.parent if out else Path.cwd()
+    run_id = f"legorl-{uuid.uuid4().hex[:10]}"
+    progress = Progress(total=len(runs))
+    # Crash rate, hack flags and engine-error bursts, to stderr and alerts.jsonl beside --out.
+    monitor = Monitor(
+        alerts_path=(out.parent if out else Path.cwd()) / "alerts.jsonl", strict=strict
+    )
+
+    async def main() -> None:
+        kwargs = dict(
+            harness=agent,
+            backend=backend,
+            tasks_dir=tasks.parent,
+            timeout=timeout,
+            limits=Limits(wall_s=timeout + 120),
+            run_id=run_id,
+            refs_relative_to=refs_base,
+            concurrency=concurrency,
+            progress=progress,
+        )
+        with JsonlWriter(out) as writer, RichProgress(console=console, transient=True) as bar:
+            task_id = bar.add_task("rollout", total=len(runs))
+
+            async def consume(endpoint: Any, name: str) -> None:
+                async for traj in run_all(runs, proxy=endpoint, model=name, **kwargs):
+                    writer.write(traj)
+                    monitor.observe_trajectory(traj)
+                    statuses = " ".join(f"{k} {v}" for k, v in sorted(progress.by_status.items()))
+                    bar.update(
+                        task_id,
+                        completed=progress.done,
+                        description=(
+                            f"done {progress.done}/{progress.total} · running {progress.running} · "
+                            f"{statuses} · {progress.tokens_per_s:.0f} tok/s"
+                        ),
+                    )
+
+            if proxy is not None:
+                assert proxy_turns is not None
+                await consume(
+                    remote_proxy(proxy, proxy_turns, proxy_token), served_model or "legorl"
+                )
+                return
+            from legorl.engines import make_engine
+            from legorl.rollout import inprocess_proxy
+
+            assert model is not None
+            opts = _opts(engine_opt, "--engine-opt")
+            if script is not None:
+                opts["script"] = str(script)
+            try:
+                eng = make_engine(engine, model_path=str(model), **opts)
+            except (ValueError, TypeError, FileNotFoundError) as exc:
+                fail("rollout", f"--engine {engine}: {exc}", 2)
+            try:
+                async with inprocess_proxy(model, eng, turns) as (endpoint, core):
+                    await consume(endpoint, served_model or core.served_name)
+            finally:
+                await eng.close()
+
+    try:
+        asyncio.run(main())
+    except MonitorStop as stop:
+        fail("rollout", str(stop))
+    summary = ", ".join(f"{k} {v}" for k, v in sorted(progress.by_status.items())) or "nothing"
+    console.print(
+        f"legorl rollout: {progress.done} trajectories ({summary}); "
+        f"{progress.completion_tokens} completion tokens",
+        markup=False,
+    )

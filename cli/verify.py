@@ -1,16 +1,96 @@
-"""`legorl verify`: Grade trajectories' patches in a fresh sandbox; adds reward, verdict and hack flags.
+"""`legorl verify`: grade trajectories' patches in fresh sandboxes.
 
-Not built yet (issue #6): the command says so in one line and exits 2.
+legorl verify runs/traj.jsonl --tasks fixtures/tasks/train.jsonl --sandbox docker --out runs/graded.jsonl
 """
 
 from __future__ import annotations
 
+import asyncio
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Annotated
+
 import typer
-from legorl.cli._common import not_built
+from legorl.cli._common import Inputs, Out, SkipBad, console, fail, iter_inputs
 
 HELP = "Grade trajectories' patches in a fresh sandbox; adds reward, verdict and hack flags."
 
 
-def verify(ctx: typer.Context) -> None:
-    """Grade trajectories' patches in a fresh sandbox; adds reward, verdict and hack flags."""
-    not_built("verify", issue=6)
+def verify(
+    inputs: Inputs = None,
+    tasks: Annotated[
+        Path, typer.Option("--tasks", "-t", help="The task file the trajectories ran on.")
+    ] = Path("fixtures/tasks/train.jsonl"),
+    sandbox: Annotated[str, typer.Option(help="docker | local")] = "docker",
+    concurrency: Annotated[int, typer.Option("--concurrency", "-c", help="Gradings at once.")] = 4,
+    test_timeout: Annotated[float, typer.Option(help="Seconds for the test run.")] = 300.0,
+    out: Out = None,
+    skip_bad: SkipBad = False,
+    strict: Annotated[
+        bool, typer.Option(help="Stop at the first monitor alert (e.g. a hack flag).")
+    ] = False,
+) -> None:
+    """Grade each trajectory: reward 1/0, per-test verdict, hack flags; env failures pass through."""
+    from legorl.align import AlignError, turns_of
+    from legorl.monitors import Monitor, MonitorStop
+    from legorl.protocols import SandboxError
+    from legorl.records import JsonlWriter, RecordError, Trajectory
+    from legorl.sandbox import make_backend
+    from legorl.tasks import TaskError, load_tasks
+    from legorl.verify import VerifyConfig
+    from legorl.verify import verify as grade_all
+
+    try:
+        by_id = {t.instance_id: t for t in load_tasks(tasks)}
+    except TaskError as exc:
+        fail("verify", str(exc))
+    try:
+        backend = make_backend(sandbox)
+    except (ValueError, TypeError, SandboxError) as exc:
+        fail("verify", str(exc), 2)
+    sources = list(inputs) if inputs else []
+    base = sources[0].parent if len(sources) == 1 and str(sources[0]) != "-" else Path.cwd()
+    trajectories = list(iter_inputs("verify", inputs, Trajectory, skip_bad))
+    unknown = sorted({t.task_id for t in trajectories} - set(by_id))
+    if unknown:
+        fail("verify", f"trajectory task(s) not in {tasks}: {', '.join(unknown[:5])}")
+    counts: Counter[str] = Counter()
+    monitor = Monitor(
+        alerts_path=(out.parent if out else Path.cwd()) / "alerts.jsonl", strict=strict
+    )
+
+    def load(traj: Trajectory) -> list:
+        # Turns only feed hack flags: a run without readable turns is still graded.
+        try:
+            return list(turns_of(traj, base))
+        except (AlignError, RecordError):
+            return []
+
+    async def main() -> None:
+        with JsonlWriter(out) as writer:
+            async for graded in grade_all(
+                trajectories,
+                by_id,
+                backend=backend,
+                tasks_dir=str(tasks.parent),
+                run_id=f"legorl-verify-{uuid.uuid4().hex[:8]}",
+                load_turns=load,
+                concurrency=concurrency,
+                config=VerifyConfig(test_timeout=test_timeout),
+            ):
+                writer.write(graded)
+                monitor.observe_trajectory(graded)
+                counts["graded" if graded.reward is not None else "not graded"] += 1
+                counts["resolved"] += graded.reward == 1.0
+                counts["flagged"] += bool(graded.hack_flags)
+
+    try:
+        asyncio.run(main())
+    except MonitorStop as stop:
+        fail("verify", str(stop))
+    console.print(
+        f"legorl verify: {counts['graded']} graded, {counts['resolved']} resolved, "
+        f"{counts['not graded']} not graded, {counts['flagged']} with hack flags",
+        markup=False,
+    )

@@ -40,10 +40,31 @@ def _align(args: argparse.Namespace) -> dict[str, Any]:
     return bench_align(quick=args.quick)
 
 
+def _sandbox(args: argparse.Namespace) -> dict[str, Any]:
+    from legorl.bench.sandbox import bench_sandbox
+
+    return bench_sandbox(quick=args.quick)
+
+
+def _rollout(args: argparse.Namespace) -> dict[str, Any]:
+    from legorl.bench.rollout import bench_rollout
+
+    return bench_rollout(quick=args.quick)
+
+
+def _verify(args: argparse.Namespace) -> dict[str, Any]:
+    from legorl.bench.verify import bench_verify
+
+    return bench_verify(quick=args.quick)
+
+
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "records_io": _records_io,
     "proxy": _proxy,
     "align": _align,
+    "sandbox": _sandbox,
+    "rollout": _rollout,
+    "verify": _verify,
 }
 
 

@@ -77,6 +77,7 @@ class MiniHarness:
     """The built-in minimal agent (`mini_agent.py`), copied into the sandbox, run with python3."""
 
     name: ClassVar[str] = "mini"
+    needs_runtime: ClassVar[bool] = False  # copies itself in; the sandbox's python3 runs it
     max_turns: int = 12
     max_tokens: int = 512
     temperature: float = 1.0
@@ -128,6 +129,7 @@ class ClaudeCodeHarness:
     """Claude Code in print mode, configured only through its environment and flags."""
 
     name: ClassVar[str] = "claude-code"
+    needs_runtime: ClassVar[bool] = True  # binaries from the sandbox's harness-runtime layer
     max_turns: int = 30
     allowed_tools: tuple[str, ...] = ("Bash", "Edit", "Write", "Read", "Glob", "Grep")
 
@@ -171,6 +173,7 @@ class OpenCodeHarness:
     """OpenCode's `run` mode with an openai-compatible provider pointing at the proxy."""
 
     name: ClassVar[str] = "opencode"
+    needs_runtime: ClassVar[bool] = True  # binaries from the sandbox's harness-runtime layer
 
     async def run(self, sandbox: Sandbox, prompt: str, *, model: str, timeout: float) -> HarnessRun:
         started = time.monotonic()
@@ -213,6 +216,7 @@ class OpenHandsHarness:
     """The OpenHands SDK agent (terminal + file editor tools) driven by `openhands_driver.py`."""
 
     name: ClassVar[str] = "openhands-sdk"
+    needs_runtime: ClassVar[bool] = True  # binaries from the sandbox's harness-runtime layer
 
     async def run(self, sandbox: Sandbox, prompt: str, *, model: str, timeout: float) -> HarnessRun:
         started = time.monotonic()
@@ -279,3 +283,24 @@ def make_harness(name: str, **config: Any) -> Harness:
         raise ValueError(f"unknown option(s) for harness {name!r}: {', '.join(unknown)}")
     harness: Harness = cls(**config)
     return harness
+
+
+@dataclass(slots=True, kw_only=True)
+class ScriptedHarness:
+    """A fake harness shipping for tests: runs one shell command in the sandbox as the 'agent'
+    (exit 0 → ok; a hang → timeout; anything else → harness_crash)."""
+
+    name: ClassVar[str] = "scripted"
+    needs_runtime: ClassVar[bool] = False
+    command: str = "true"
+
+    async def run(self, sandbox: Sandbox, prompt: str, *, model: str, timeout: float) -> HarnessRun:
+        started = time.monotonic()
+        result = await sandbox.exec(
+            ["sh", "-c", self.command], timeout=timeout, cwd=sandbox.workdir, env=_env(sandbox, {})
+        )
+        status = _classify_limits(result) or ("ok" if result.exit_code == 0 else "harness_crash")
+        return _run_record(result, status, started)
+
+
+HARNESSES["scripted"] = ScriptedHarness

@@ -1,0 +1,271 @@
+"""The rollout stage: run a harness on tasks in sandboxes through the proxy, G samples per task,
+one Trajectory per run written as soon as it ends.
+
+    legorl rollout --tasks fixtures/tasks/train.jsonl --harness mini --group-size 2 --limit 4 \\
+        --engine embedded --model fixtures/models/tiny-qwen3 --sandbox local --out runs/traj.jsonl
+
+Each run gets its own proxy session (its id is the trajectory id) and its own sandbox, whose
+network reaches only that session's endpoint. Turns go to ``{turns_dir}/{trajectory_id}.jsonl``
+and the Trajectory refers to them. Environment failures (the sandbox would not start, the
+harness crashed, the proxy failed) get their own status and are never written as a failed
+attempt of the agent. Re-running with the same output skips finished trajectories.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from legorl.protocols import Harness, Limits, Sandbox, SandboxBackend, SandboxError
+from legorl.records import TokenCounts, Trajectory, Turn, read_jsonl
+
+
+@dataclass(slots=True, kw_only=True)
+class Run:
+    task: Any  # records.Task
+    sample_index: int
+
+    @property
+    def trajectory_id(self) -> str:
+        return f"{self.task.instance_id}.{self.sample_index}"
+
+
+def plan_runs(
+    tasks: Iterable[Any], group_size: int, limit: int | None, done: set[str]
+) -> list[Run]:
+    """Tasks × group_size runs, the first ``limit`` tasks only, minus those already done."""
+    chosen = list(tasks)[:limit] if limit is not None else list(tasks)
+    runs = [Run(task=t, sample_index=k) for t in chosen for k in range(group_size)]
+    return [r for r in runs if r.trajectory_id not in done]
+
+
+def finished_ids(out: Path | None) -> set[str]:
+    """Trajectory ids already in ``out`` (a truncated last line from a kill is ignored)."""
+    if out is None or not out.exists():
+        return set()
+    return {t.trajectory_id for t in read_jsonl(out, Trajectory, skip_bad=True)}
+
+
+@dataclass(slots=True, kw_only=True)
+class ProxyEndpoint:
+    """Where sandboxes reach the proxy, and how sessions are opened and closed on it."""
+
+    url: str  # host-side base URL
+    turns_dir: Path
+    open_session: Callable[[str], Awaitable[None]]
+    close_session: Callable[[str], Awaitable[None]]
+
+
+@dataclass(slots=True)
+class Progress:
+    """Counters the CLI shows while the stage runs."""
+
+    total: int
+    done: int = 0
+    running: int = 0
+    by_status: Counter[str] = field(default_factory=Counter)
+    completion_tokens: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / max(time.monotonic() - self.started, 1e-9)
+
+
+def _turns_of(path: Path) -> list[Turn]:
+    return list(read_jsonl(path, Turn, skip_bad=True)) if path.exists() else []
+
+
+def _set_aside(path: Path) -> None:
+    # Turns of a run that never wrote its trajectory (the stage was killed): kept, not reused.
+    if path.exists():
+        n = 1
+        while path.with_name(f"{path.name}.orphan-{n}").exists():
+            n += 1
+        path.rename(path.with_name(f"{path.name}.orphan-{n}"))
+
+
+async def run_one(
+    run: Run,
+    *,
+    harness: Harness,
+    backend: SandboxBackend,
+    proxy: ProxyEndpoint,
+    tasks_dir: Path,
+    model: str,
+    timeout: float,
+    limits: Limits,
+    run_id: str,
+    refs_relative_to: Path,
+) -> Trajectory:
+    """One harness run on one task; never raises for an environment failure."""
+    tid = run.trajectory_id
+    turns_path = proxy.turns_dir / f"{tid}.jsonl"
+    _set_aside(turns_path)
+    timings: dict[str, float] = {}
+    evidence: dict[str, Any] = {}
+    patch = ""
+    status = "sandbox_error"
+    t0 = time.monotonic()
+    await proxy.open_session(tid)
+    sandbox: Sandbox | None = None
+    try:
+        try:
+            sandbox = await backend.start(
+                run.task,
+                str(tasks_dir),
+                run_id=run_id,
+                proxy_url=f"{proxy.url}/s/{tid}",
+                limits=limits,
+                harness_runtime=getattr(harness, "needs_runtime", True),
+            )
+        except SandboxError as exc:
+            evidence["error"] = f"sandbox: {exc}"
+        timings["sandbox_start_s"] = time.monotonic() - t0
+        if sandbox is not None:
+            t1 = time.monotonic()
+            try:
+                outcome = await harness.run(
+                    sandbox, run.task.problem_statement, model=model, timeout=timeout
+                )
+                status = outcome.status
+                evidence.update(exit_code=outcome.exit_code, log_tail=outcome.log_tail)
+            except SandboxError as exc:
+                evidence["error"] = f"sandbox: {exc}"
+            timings["harness_s"] = time.monotonic() - t1
+            try:
+                patch = await sandbox.diff()
+            except SandboxError as exc:
+                status, evidence["error"] = "sandbox_error", f"sandbox (diff): {exc}"
+    finally:
+        if sandbox is not None:
+            with contextlib.suppress(Exception):
+                await sandbox.close()
+        await proxy.close_session(tid)
+    turns = _turns_of(turns_path)
+    if status == "ok" and not [t for t in turns if not t.flags.aux]:
+        status, evidence["error"] = "proxy_error", "the harness ended without calling the model"
+    timings["total_s"] = time.monotonic() - t0
+    ref = os.path.relpath(turns_path, refs_relative_to) if turns else None
+    return Trajectory(
+        trajectory_id=tid,
+        task_id=run.task.instance_id,
+        group_id=run.task.instance_id,
+        sample_index=run.sample_index,
+        harness=harness.name,
+        status=status,  # type: ignore[arg-type]
+        patch=patch,
+        turns_ref=[ref] if ref else None,
+        evidence=evidence,
+        timings={k: round(v, 3) for k, v in timings.items()},
+        tokens=TokenCounts(
+            prompt=sum(t.prompt_len for t in turns),
+            completion=sum(len(t.completion_ids) for t in turns),
+        ),
+    )
+
+
+async def rollout(
+    runs: list[Run],
+    *,
+    concurrency: int,
+    progress: Progress | None = None,
+    **kwargs: Any,
+) -> AsyncIterator[Trajectory]:
+    """Run every run with at most ``concurrency`` at once; yield trajectories as they end."""
+    gate = asyncio.Semaphore(max(1, concurrency))
+    progress = progress or Progress(total=len(runs))
+
+    async def guarded(run: Run) -> Trajectory:
+        async with gate:
+            progress.running += 1
+            try:
+                return await run_one(run, **kwargs)
+            finally:
+                progress.running -= 1
+
+    pending = {asyncio.ensure_future(guarded(r)) for r in runs}
+    try:
+        while pending:
+            finished, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in finished:
+                traj = fut.result()
+                progress.done += 1
+                progress.by_status[traj.status] += 1
+                progress.completion_tokens += traj.tokens.completion
+                yield traj
+    finally:
+        for fut in pending:
+            fut.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+
+
+@contextlib.asynccontextmanager
+async def inprocess_proxy(
+    model: str | Path, engine: Any, turns_dir: Path
+) -> AsyncIterator[tuple[ProxyEndpoint, Any]]:
+    """A proxy on 127.0.0.1 in this process, sessions opened per run; yields (endpoint, core)."""
+    from legorl.proxy.core import ProxyConfig, ProxyCore
+    from legorl.proxy.server import ProxyServer
+
+    core = ProxyCore(ProxyConfig(model=model, out=turns_dir, open_sessions=False), engine)
+    server = ProxyServer(core, "127.0.0.1", 0)
+    await server.start()
+
+    async def open_session(sid: str) -> None:
+        core.open_session(sid)
+
+    async def close_session(sid: str) -> None:
+        core.close_session(sid)
+
+    try:
+        yield (
+            ProxyEndpoint(
+                url=server.url,
+                turns_dir=turns_dir,
+                open_session=open_session,
+                close_session=close_session,
+            ),
+            core,
+        )
+    finally:
+        await server.close()
+        core.close()
+
+
+def remote_proxy(url: str, turns_dir: Path, admin_token: str | None) -> ProxyEndpoint:
+    """A proxy already running elsewhere on this machine (its Turn files are in ``turns_dir``)."""
+    import httpx
+
+    async def open_session(sid: str) -> None:
+        if admin_token:
+            async with httpx.AsyncClient() as client:
+                resp = await client.post(
+                    f"{url}/admin/sessions",
+                    json={"id": sid},
+                    headers={"authorization": f"Bearer {admin_token}"},
+                )
+                resp.raise_for_status()
+
+    async def close_session(sid: str) -> None:
+        if admin_token:
+            async with httpx.AsyncClient() as client:
+                await client.delete(
+                    f"{url}/admin/sessions/{sid}",
+                    headers={"authorization": f"Bearer {admin_token}"},
+                )
+
+    return ProxyEndpoint(
+        url=url.rstrip("/"),
+        turns_dir=turns_dir,
+        open_session=open_session,
+        close_session=close_session,
+    )

@@ -1,0 +1,244 @@
+"""What both sandbox backends share: errors, the cache folder, run ownership, cross-process
+locks, the output cap, and the limit classification of a finished command.
+
+Nothing here talks to Docker or bubblewrap; see ``docker_backend.py`` and ``local_backend.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from legorl.protocols import SandboxError
+
+#: Where the repository sits inside every sandbox (as in SWE-bench images).
+WORKDIR = "/testbed"
+#: The environment layer's virtualenv inside every sandbox; its bin/ leads PATH.
+ENV_DIR = "/opt/legorl-env"
+#: The shared harness-runtime layer, attached read-only.
+RUNTIME_DIR = "/opt/legorl-runtime"
+#: The relay's socket and forwarder inside a sandbox that was given a proxy.
+RELAY_DIR = "/run/legorl"
+#: PATH inside a sandbox (the runtime's bin/ is appended when it is attached).
+BASE_PATH = f"{ENV_DIR}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+class DaemonDownError(SandboxError):
+    """The Docker daemon does not answer."""
+
+
+class ImageMissingError(SandboxError):
+    """A layer is not built and building was not allowed (``--no-build``)."""
+
+
+class BuildError(SandboxError):
+    """A build step failed; ``step`` names it and ``log_tail`` holds the end of its log."""
+
+    def __init__(self, message: str, *, step: str = "", log_tail: str = "", log_path: str = ""):
+        super().__init__(message)
+        self.step = step
+        self.log_tail = log_tail
+        self.log_path = log_path
+
+
+def cache_root() -> Path:
+    """``$LEGORL_CACHE/sandbox``, else ``~/.cache/legorl/sandbox``: locks, logs, usage, local layers."""
+    base = os.environ.get("LEGORL_CACHE")
+    root = Path(base) if base else Path.home() / ".cache" / "legorl"
+    return root / "sandbox"
+
+
+def state_root() -> Path:
+    """Per-sandbox scratch (relay sockets, local private copies), short enough for socket paths."""
+    base = os.environ.get("LEGORL_SANDBOX_STATE") or f"/tmp/legorl-sandbox-{os.getuid()}"
+    path = Path(base)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
+
+
+def short_hash(data: Any, n: int = 16) -> str:
+    """Stable content hash of a JSON-able value (sorted keys)."""
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:n]
+
+
+# ---- run ownership -------------------------------------------------------------------------
+
+
+def _proc_start_ticks(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot: tells a live pid from a reused one."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name may hold spaces and parentheses; fields restart after the last ')'.
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def owner_tag(pid: int | None = None) -> str:
+    """``host:pid:start`` of the (current) process; labelled on everything it starts."""
+    pid = os.getpid() if pid is None else pid
+    return f"{socket.gethostname()}:{pid}:{_proc_start_ticks(pid) or '?'}"
+
+
+def owner_alive(tag: str) -> bool | None:
+    """True/False for an owner on this host; None when it lives on another host (unknown)."""
+    host, _, rest = tag.partition(":")
+    pid_s, _, start = rest.partition(":")
+    if host != socket.gethostname():
+        return None
+    try:
+        pid = int(pid_s)
+    except ValueError:
+        return False
+    ticks = _proc_start_ticks(pid)
+    return ticks is not None and (start in ("?", "") or ticks == start)
+
+
+# ---- locks and usage -----------------------------------------------------------------------
+
+_thread_locks: dict[str, threading.Lock] = {}
+_thread_locks_guard = threading.Lock()
+
+
+@contextlib.contextmanager
+def build_lock(name: str) -> Iterator[None]:
+    """Exclusive across threads and processes: concurrent builds of one layer wait for one."""
+    with _thread_locks_guard:
+        tlock = _thread_locks.setdefault(name, threading.Lock())
+    path = cache_root() / "locks" / (name.replace("/", "_").replace(":", "_") + ".lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tlock, open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def touch_usage(key: str) -> None:
+    """Record that a layer was just used (its usage file's mtime is the last use)."""
+    path = cache_root() / "usage" / key.replace("/", "_").replace(":", "_")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    except OSError:
+        pass  # usage is advisory (LRU order); never fail a start for it
+
+
+def last_used(key: str) -> float | None:
+    path = cache_root() / "usage" / key.replace("/", "_").replace(":", "_")
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
+
+
+def set_last_used(key: str, when: float) -> None:
+    touch_usage(key)
+    path = cache_root() / "usage" / key.replace("/", "_").replace(":", "_")
+    os.utime(path, (when, when))
+
+
+# ---- output and limits ---------------------------------------------------------------------
+
+TRUNCATION_MARK = "\n[… legorl: {n} bytes of output cut …]\n"
+
+
+class OutputCap:
+    """Keeps the first and last halves of at most ``limit`` bytes; the middle is counted."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(0, limit)
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+
+    def add(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        half = self.limit // 2
+        room = half - len(self.head)
+        if room > 0:
+            self.head += chunk[:room]
+            chunk = chunk[room:]
+        if chunk:
+            self.tail += chunk
+            keep = self.limit - half
+            if len(self.tail) > keep:
+                del self.tail[: len(self.tail) - keep]
+
+    @property
+    def truncated(self) -> bool:
+        return self.total > self.limit
+
+    def data(self) -> bytes:
+        if not self.truncated:
+            return bytes(self.head + self.tail)
+        cut = self.total - len(self.head) - len(self.tail)
+        return bytes(self.head) + TRUNCATION_MARK.format(n=cut).encode() + bytes(self.tail)
+
+    def text(self) -> str:
+        return self.data().decode("utf-8", "replace")
+
+
+@dataclass(slots=True)
+class Counters:
+    """Monotonic kernel counters of a sandbox's cgroup: OOM kills and refused forks."""
+
+    oom_kills: int = 0
+    pids_max_hits: int = 0
+
+
+def parse_counters(oom_text: str, pids_text: str) -> Counters:
+    """From ``memory.oom_control`` / ``memory.events`` and ``pids.events`` contents."""
+    c = Counters()
+    for line in oom_text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill" and value.strip().isdigit():
+            c.oom_kills = int(value)
+    for line in pids_text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "max" and value.strip().isdigit():
+            c.pids_max_hits = int(value)
+    return c
+
+
+def classify(
+    exit_code: int | None,
+    *,
+    timed_out: bool,
+    wall_hit: bool,
+    before: Counters | None,
+    after: Counters | None,
+) -> str | None:
+    """Which limit ended (or crippled) a command, most specific first."""
+    if before is not None and after is not None:
+        if after.oom_kills > before.oom_kills:
+            return "memory"
+        if after.pids_max_hits > before.pids_max_hits:
+            return "pids"
+    if wall_hit:
+        return "wall"
+    if timed_out:
+        return "timeout"
+    return None
+
+
+class Deadline:
+    """A sandbox's wall-time budget (``Limits.wall_s``) shared by its commands."""
+
+    def __init__(self, wall_s: float) -> None:
+        self.end = time.monotonic() + wall_s
+
+    def left(self) -> float:
+        return self.end - time.monotonic()

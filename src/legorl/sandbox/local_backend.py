@@ -1,0 +1,657 @@
+"""The ``local`` sandbox backend: bubblewrap, no Docker.
+
+    backend = make_backend("local")
+    box = await backend.start(task, "fixtures/tasks", run_id="r1")
+    print((await box.exec("python -m pytest -q")).output)
+    await box.close()
+
+Each sandbox is a private copy of the instance repository at /testbed, a private /tmp and
+HOME (/root), and a read-only view of the host's system folders (``/usr``, ``/etc``, ``/opt``
+and the Python the env layer runs on), never the user's home, the task files or the cache.
+Every command runs in a fresh ``bwrap`` with its own PID, IPC, UTS and network namespaces (no
+network; a proxy is reached through the relay, as with Docker) and all capabilities dropped;
+files persist between commands, processes do not. Where this process may create cgroups (root,
+or a delegated cgroup v2 tree) the sandbox's CPU, memory and PIDs are limited and a killed
+command is classified; elsewhere only wall time, timeouts and output size are enforced
+(``LocalSandbox.limits_enforced`` says which).
+
+Layers live under the cache folder: ``local/env-<key>/`` (a venv built inside bubblewrap, seen
+at /opt/legorl-env) and ``local/instance-<key>/`` (the one-commit repository); keys are the
+same kind of content hash as the Docker tags, with the host's Python as the base.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from legorl.protocols import ExecResult, Limits, SandboxError
+from legorl.sandbox import cgroups
+from legorl.sandbox.common import (
+    BASE_PATH,
+    ENV_DIR,
+    RELAY_DIR,
+    RUNTIME_DIR,
+    WORKDIR,
+    BuildError,
+    Deadline,
+    ImageMissingError,
+    OutputCap,
+    build_lock,
+    cache_root,
+    classify,
+    owner_alive,
+    owner_tag,
+    state_root,
+    touch_usage,
+)
+from legorl.sandbox.docker_backend import LayerReport, diff_script
+from legorl.sandbox.layers import Layer, env_layer, instance_layer, keep_up_to
+from legorl.sandbox.relay import FORWARDER, Relay, inside_port, open_relay, split_proxy_url
+from legorl.sandbox.repo import scrubbed_repo
+from legorl.sandbox.runtime import RuntimeSources, local_layout, missing_parts, runtime_layer
+
+#: Host folders every sandbox sees read-only (merged-/usr symlinks are recreated as links).
+HOST_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
+
+
+@dataclass(slots=True, kw_only=True)
+class LocalConfig:
+    build: bool = True  # False: a layer that is not built yet is an error (--no-build)
+    bwrap: str = "bwrap"
+    host_paths: tuple[str, ...] = HOST_PATHS
+    step_timeout_s: float = 1800.0
+
+
+def _layer_dir(layer: Layer) -> Path:
+    return cache_root() / "local" / f"{layer.kind}-{layer.key}"
+
+
+def host_python(version: str) -> dict[str, str]:
+    """The host interpreter for ``version`` (e.g. "3.11"): its real path and prefix."""
+    exe = shutil.which(f"python{version}")
+    if exe is None:
+        raise SandboxError(
+            f"the local backend needs python{version} on PATH for this task's env layer"
+        )
+    probe = "import sys, platform; print(sys.executable); print(sys.base_prefix); print(platform.python_version())"
+    proc = subprocess.run([exe, "-c", probe], capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0:
+        raise SandboxError(f"python{version} does not run: {proc.stderr.strip()[:200]}")
+    real, prefix, full = proc.stdout.split()
+    # A venv made by this interpreter links to it; resolve shims (pyenv) to the real binary.
+    return {"interpreter": str(Path(real).resolve()), "prefix": prefix, "version": full}
+
+
+class LocalCache:
+    """Env venvs and instance repositories for the local backend, keyed by content hash."""
+
+    def __init__(self, config: LocalConfig) -> None:
+        self.config = config
+        self._pythons: dict[str, dict[str, str]] = {}
+
+    def plan(self, task: Any) -> list[Layer]:
+        if task.image:
+            raise SandboxError(
+                f"{task.instance_id}: names the image {task.image}; the local backend builds "
+                "from env recipes only (use --backend docker)"
+            )
+        if task.env is None:
+            raise SandboxError(
+                f"{task.instance_id}: the task names neither an image nor an env recipe"
+            )
+        if not task.source:
+            raise SandboxError(f"{task.instance_id}: the task names no source repository")
+        py = self._pythons.get(task.env.python)
+        if py is None:
+            py = self._pythons[task.env.python] = host_python(task.env.python)
+        base = Layer("base", f"host-python{py['version']}", {"builder": "host", **py})
+        env = env_layer(task, base)
+        return [base, env, instance_layer(task, env)]
+
+    def ensure(
+        self, task: Any, tasks_dir: Path, *, level: str = "instance", build: bool | None = None
+    ) -> list[LayerReport]:
+        build = self.config.build if build is None else build
+        reports = []
+        for layer in keep_up_to(self.plan(task), level):
+            if layer.kind == "base":
+                reports.append(LayerReport("base", layer.key, layer.name, "cached"))
+                continue
+            reports.append(self._ensure(layer, task, Path(tasks_dir), build))
+        return reports
+
+    def _ensure(self, layer: Layer, task: Any, tasks_dir: Path, build: bool) -> LayerReport:
+        path = _layer_dir(layer)
+        tag = f"local/{layer.kind}:{layer.key}"
+        if (path / "layer.json").is_file():
+            touch_usage(tag)
+            return LayerReport(layer.kind, tag, layer.name, "cached")
+        if not build:
+            raise ImageMissingError(
+                f"{layer.kind} layer {tag} ({layer.name}) is not built and building is off "
+                f"(--no-build); build it with `legorl sandbox build --backend local --tasks …`"
+            )
+        started = time.monotonic()
+        with build_lock(tag):
+            if (path / "layer.json").is_file():
+                return LayerReport(layer.kind, tag, layer.name, "waited")
+            partial = path.with_name(path.name + f".partial-{secrets.token_hex(4)}")
+            partial.mkdir(parents=True)
+            try:
+                meta: dict[str, Any] = {
+                    "kind": layer.kind,
+                    "recipe": layer.recipe,
+                    "name": layer.name,
+                }
+                if layer.kind == "env":
+                    self._build_env(layer, partial, tag)
+                else:
+                    (partial / "repo").mkdir()
+                    try:
+                        meta["base_sha"] = scrubbed_repo(task, tasks_dir, partial / "repo")
+                    except SandboxError as err:
+                        raise BuildError(
+                            f"instance layer {tag} ({layer.name}) failed at step 1/1 `checkout`: {err}",
+                            step="checkout",
+                        ) from None
+                (partial / "layer.json").write_text(json.dumps(meta, indent=2))
+                partial.rename(path)
+            except BaseException:
+                shutil.rmtree(partial, ignore_errors=True)
+                raise
+        touch_usage(tag)
+        return LayerReport(layer.kind, tag, layer.name, "built", time.monotonic() - started)
+
+    def _build_env(self, layer: Layer, folder: Path, tag: str) -> None:
+        assert layer.parent is not None
+        base = layer.parent.recipe
+        venv_dir = folder / "venv"
+        venv_dir.mkdir()
+        log_path = cache_root() / "logs" / f"local-env-{layer.key}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        steps: list[tuple[str, list[str]]] = [
+            (
+                f"python{layer.recipe['python']} -m venv {ENV_DIR}",
+                [base["interpreter"], "-m", "venv", ENV_DIR],
+            )
+        ]
+        if layer.recipe["packages"]:
+            pkgs = layer.recipe["packages"]
+            steps.append(
+                (
+                    f"pip install {' '.join(pkgs)}",
+                    [f"{ENV_DIR}/bin/python", "-m", "pip", "install", "-q", *pkgs],
+                )
+            )
+        steps += [(cmd, ["/bin/sh", "-c", cmd]) for cmd in layer.recipe["setup"]]
+        # Build steps share the host's network (pip needs the registry) but not its files.
+        bw = [
+            self.config.bwrap,
+            "--die-with-parent",
+            "--unshare-pid",
+            "--unshare-ipc",
+            *_host_view(self.config.host_paths),
+            "--proc", "/proc",
+            "--dev", "/dev",
+            "--tmpfs", "/tmp",
+            "--tmpfs", "/root",
+            "--ro-bind", base["prefix"], base["prefix"],  # after /root: it may live there
+            "--bind", str(venv_dir), ENV_DIR,
+            "--chdir", "/",
+        ]  # fmt: skip
+        env = {"PATH": BASE_PATH, "HOME": "/root", "LANG": "C.UTF-8", "PIP_NO_CACHE_DIR": "1"}
+        env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+        n = len(steps)
+        for i, (name, argv) in enumerate(steps, start=1):
+            with open(log_path, "ab") as log:
+                log.write(f"$ {name}\n".encode())
+                log.flush()
+                try:
+                    proc = subprocess.run(
+                        [*bw, "--", *argv],
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        timeout=self.config.step_timeout_s,
+                    )
+                    code = proc.returncode
+                except subprocess.TimeoutExpired:
+                    code = 124
+                except FileNotFoundError:
+                    raise BuildError(
+                        f"env layer {tag}: bubblewrap ({self.config.bwrap}) is not installed "
+                        "(apt-get install bubblewrap)",
+                        step=name,
+                    ) from None
+            if code != 0:
+                text = log_path.read_text(errors="replace")
+                last = next((ln for ln in reversed(text.splitlines()) if ln.strip()), "")
+                raise BuildError(
+                    f"env layer {tag} ({layer.name}) failed at step {i}/{n} `{name}` "
+                    f"(exit {code}): {last.strip()[:300]} (log: {log_path})",
+                    step=name,
+                    log_tail="\n".join(text.splitlines()[-20:]),
+                    log_path=str(log_path),
+                )
+
+    def layer_meta(self, layer: Layer) -> dict[str, Any]:
+        return json.loads((_layer_dir(layer) / "layer.json").read_text())
+
+    def runtime(self, *, build: bool | None = None) -> tuple[Path, list[Path], LayerReport]:
+        """The runtime layout folder and the host paths it points into."""
+        build = self.config.build if build is None else build
+        src = RuntimeSources.find()
+        layer = runtime_layer(src)
+        path = _layer_dir(layer)
+        tag = f"local/runtime:{layer.key}"
+        if (path / "binds.json").is_file():
+            touch_usage(tag)
+            binds = [Path(p) for p in json.loads((path / "binds.json").read_text())]
+            return path, binds, LayerReport("runtime", tag, layer.name, "cached")
+        if not build:
+            raise ImageMissingError(
+                f"runtime layer {tag} is not built and building is off (--no-build)"
+            )
+        missing = missing_parts(layer.recipe)
+        if missing:
+            raise BuildError(
+                f"runtime layer {tag}: not installed on this host: {', '.join(missing)}"
+            )
+        with build_lock(tag):
+            if not (path / "binds.json").is_file():
+                partial = path.with_name(path.name + f".partial-{secrets.token_hex(4)}")
+                partial.mkdir(parents=True)
+                (partial / "root").mkdir()
+                binds = local_layout(src, partial / "root", layer.recipe)
+                (partial / "binds.json").write_text(json.dumps([str(b) for b in binds]))
+                partial.rename(path)
+        binds = [Path(p) for p in json.loads((path / "binds.json").read_text())]
+        return path, binds, LayerReport("runtime", tag, layer.name, "built")
+
+
+def _host_view(paths: tuple[str, ...]) -> list[str]:
+    """bwrap arguments for a read-only view of the host's system folders."""
+    args: list[str] = []
+    for path in paths:
+        p = Path(path)
+        if p.is_symlink():
+            args += ["--symlink", os.readlink(p), path]
+        elif p.is_dir() and path == "/opt":
+            # Bound child by child so /opt/legorl-env and /opt/legorl-runtime can be added.
+            args += ["--tmpfs", "/opt"]
+            for child in sorted(p.iterdir()):
+                if child.name not in ("legorl-env", "legorl-runtime"):
+                    args += ["--ro-bind", str(child), str(child)]
+        elif p.is_dir():
+            args += ["--ro-bind", path, path]
+    return args
+
+
+class LocalSandbox:
+    """One bubblewrap sandbox: a private folder plus the flags every command runs with."""
+
+    def __init__(
+        self,
+        backend: LocalBackend,
+        name: str,
+        root: Path,
+        *,
+        limits: Limits,
+        base_sha: str,
+        env_dir: Path,
+        python_prefix: str,
+        relay: Relay | None,
+        runtime: tuple[Path, list[Path]] | None,
+        cgroup: cgroups.CgroupSet | None,
+    ) -> None:
+        self.backend = backend
+        self.id = name
+        self.root = root
+        self.workdir = WORKDIR
+        self.proxy_url = relay.inside_url if relay else None
+        self.runtime_dir = RUNTIME_DIR if runtime else None
+        self.limits = limits
+        self.base_sha = base_sha
+        self.limits_enforced = cgroup is not None
+        self._relay = relay
+        self.cgroup = cgroup
+        self._deadline = Deadline(limits.wall_s)
+        self._closed = False
+        path = BASE_PATH + (f":{RUNTIME_DIR}/bin" if runtime else "")
+        self._env = {"PATH": path, "HOME": "/root", "LANG": "C.UTF-8", "TERM": "dumb"}
+        self._env["VIRTUAL_ENV"] = ENV_DIR
+        #: What a harness adds to a command's env: PATH with the env's venv (and the runtime).
+        self.runtime_env = {"PATH": path}
+        #: The OpenHands SDK's Python when the runtime is attached.
+        self.openhands_python = f"{RUNTIME_DIR}/openhands/bin/python" if runtime else None
+        flags = [
+            backend.config.bwrap,
+            "--unshare-all",  # user (where possible), pid, ipc, uts, cgroup and net
+            "--unshare-user-try",
+            "--die-with-parent",
+            "--new-session",
+            "--cap-drop", "ALL",
+            "--hostname", "sandbox",
+            *_host_view(backend.config.host_paths),
+            "--ro-bind", str(env_dir), ENV_DIR,
+            "--proc", "/proc",
+            "--dev", "/dev",
+            "--bind", str(root / "tmp"), "/tmp",
+            "--bind", str(root / "home"), "/root",
+            "--bind", str(root / "repo"), WORKDIR,
+            # After /root and /tmp: the host's Python (pyenv) may live below either.
+            "--ro-bind", python_prefix, python_prefix,
+        ]  # fmt: skip
+        if runtime is not None:
+            layout, binds = runtime
+            flags += ["--ro-bind", str(layout / "root"), RUNTIME_DIR]
+            for host_path in binds:
+                flags += ["--ro-bind", str(host_path), str(host_path)]
+        if relay is not None:
+            flags += ["--ro-bind", str(root / "run"), RELAY_DIR]
+        if "/opt" in backend.config.host_paths:
+            flags += ["--remount-ro", "/opt"]
+        self._flags = flags
+        self._port = inside_port(relay.port) if relay else None
+
+    # -- exec
+
+    def _argv(self, cmd: str | list[str], cwd: str | None) -> list[str]:
+        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        if self._port is not None:
+            py = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else "python3"
+            start = f'{py} {RELAY_DIR}/forwarder.py {self._port} {RELAY_DIR}/proxy.sock --daemon && exec "$@"'
+            argv = ["/bin/sh", "-c", start, "sh", *argv]
+        full = [*self._flags, "--chdir", cwd or WORKDIR, "--", *argv]
+        if self.cgroup is not None:
+            files = " ".join(f"'{p}'" for p in self.cgroup.procs_files())
+            join = f'for f in {files}; do echo $$ > "$f" || exit 125; done; exec "$@"'
+            full = ["/bin/sh", "-c", join, "sh", *full]
+        return full
+
+    async def exec(
+        self,
+        cmd: str | list[str],
+        *,
+        timeout: float = 600.0,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bytes | None = None,
+        on_output: Callable[[bytes], None] | None = None,
+    ) -> ExecResult:
+        result, _ = await self._run(
+            cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin, on_output=on_output
+        )
+        return result
+
+    async def _run(
+        self,
+        cmd: str | list[str],
+        *,
+        timeout: float,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bytes | None = None,
+        on_output: Callable[[bytes], None] | None = None,
+        output_limit: int | None = None,
+    ) -> tuple[ExecResult, bytes]:
+        if self._closed:
+            raise SandboxError(f"sandbox {self.id} is closed")
+        left = self._deadline.left()
+        if left <= 0:
+            return ExecResult(exit_code=None, output="", timed_out=True, killed_by="wall"), b""
+        wall_bound = left < timeout
+        budget = min(timeout, left)
+        cap = OutputCap(self.limits.output_bytes if output_limit is None else output_limit)
+        before = self.cgroup.counters() if self.cgroup else None
+        started = time.monotonic()
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self._argv(cmd, cwd),
+                stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env={**self._env, **(env or {})},
+                start_new_session=True,
+            )
+        except FileNotFoundError:
+            raise SandboxError(
+                f"bubblewrap ({self.backend.config.bwrap}) is not installed (apt-get install bubblewrap)"
+            ) from None
+
+        async def pump() -> None:
+            assert proc.stdout is not None
+            if stdin is not None and proc.stdin is not None:
+                proc.stdin.write(stdin)
+                with contextlib.suppress(ConnectionError):
+                    await proc.stdin.drain()
+                proc.stdin.close()
+            while chunk := await proc.stdout.read(65536):
+                cap.add(chunk)
+                if on_output is not None:
+                    on_output(chunk)
+            await proc.wait()
+
+        timed_out = False
+        try:
+            await asyncio.wait_for(pump(), budget)
+        except TimeoutError:
+            timed_out = True
+        finally:
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
+        duration = time.monotonic() - started
+        code = None if timed_out else proc.returncode
+        if code is not None and code < 0:
+            code = 128 - code  # killed by a signal, reported like a shell does
+        after = self.cgroup.counters() if self.cgroup and code != 0 else before
+        killed_by = classify(
+            code, timed_out=timed_out, wall_hit=timed_out and wall_bound, before=before, after=after
+        )
+        if killed_by == "memory" and code == 137:
+            code = None
+        result = ExecResult(
+            exit_code=code,
+            output=cap.text(),
+            timed_out=timed_out,
+            truncated=cap.truncated,
+            killed_by=killed_by,
+            duration_s=duration,
+        )
+        return result, cap.data()
+
+    # -- files (through the sandbox, so a symlink planted by the agent leads nowhere outside)
+
+    async def write_file(self, path: str, data: bytes) -> None:
+        full = path if path.startswith("/") else f"{WORKDIR}/{path}"
+        script = 'mkdir -p "$(dirname "$1")" && cat > "$1"'
+        result, _ = await self._run(["/bin/sh", "-c", script, "sh", full], timeout=60, stdin=data)
+        if result.exit_code != 0:
+            raise SandboxError(f"sandbox {self.id}: cannot write {full}: {result.output.strip()}")
+
+    async def read_file(self, path: str) -> bytes:
+        full = path if path.startswith("/") else f"{WORKDIR}/{path}"
+        script = 'test -f "$1" || { echo "no such file" >&2; exit 44; }; cat "$1"'
+        result, raw = await self._run(
+            ["/bin/sh", "-c", script, "sh", full], timeout=120, output_limit=1 << 31
+        )
+        if result.exit_code == 44:
+            raise FileNotFoundError(f"{full}: no such file in sandbox {self.id}")
+        if result.exit_code != 0:
+            raise SandboxError(f"sandbox {self.id}: cannot read {full}: {result.output.strip()}")
+        return raw
+
+    async def diff(self) -> str:
+        result, _ = await self._run(
+            ["/bin/sh", "-c", diff_script(self.base_sha)], timeout=300, output_limit=256 << 20
+        )
+        if result.exit_code != 0:
+            tail = result.output.strip().splitlines()[-1:] or ["(no output)"]
+            raise SandboxError(f"sandbox {self.id}: git diff failed: {tail[0]}")
+        return result.output
+
+    async def close(self) -> None:
+        self.close_sync()
+
+    def close_sync(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._relay is not None:
+            self._relay.close()
+        if self.cgroup is not None:
+            self.cgroup.remove()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class LocalBackend:
+    """``SandboxBackend`` on bubblewrap; ``config_class`` is ``LocalConfig``."""
+
+    name = "local"
+    config_class = LocalConfig
+
+    def __init__(self, config: LocalConfig | None = None) -> None:
+        self.config = config or LocalConfig()
+        self.cache = LocalCache(self.config)
+        self._reaped = False
+        self._runtime: tuple[Path, list[Path]] | None = None
+
+    def check(self) -> None:
+        if shutil.which(self.config.bwrap) is None:
+            raise SandboxError(
+                f"bubblewrap ({self.config.bwrap}) is not installed (apt-get install bubblewrap)"
+            )
+
+    async def start(
+        self,
+        task: Any,
+        tasks_dir: str,
+        *,
+        run_id: str,
+        proxy_url: str | None = None,
+        limits: Limits | None = None,
+        harness_runtime: bool = False,
+    ) -> LocalSandbox:
+        return await asyncio.to_thread(
+            self.start_sync,
+            task,
+            tasks_dir,
+            run_id=run_id,
+            proxy_url=proxy_url,
+            limits=limits,
+            harness_runtime=harness_runtime,
+        )
+
+    def start_sync(
+        self,
+        task: Any,
+        tasks_dir: str | Path,
+        *,
+        run_id: str,
+        proxy_url: str | None = None,
+        limits: Limits | None = None,
+        harness_runtime: bool = False,
+    ) -> LocalSandbox:
+        self.check()
+        limits = limits or Limits()
+        if not self._reaped:
+            self._reaped = True
+            gc_local()
+        layers = self.cache.plan(task)
+        self.cache.ensure(task, Path(tasks_dir))
+        base, env, instance = layers
+        runtime = None
+        if harness_runtime:
+            if self._runtime is None:
+                path, binds, _ = self.cache.runtime()
+                self._runtime = (path, binds)
+            runtime = self._runtime
+        name = f"legorl-{secrets.token_hex(6)}"
+        root = state_root() / name
+        root.mkdir()
+        relay = None
+        cg = None
+        try:
+            (root / "owner.json").write_text(
+                json.dumps({"owner": owner_tag(), "run": run_id, "task": task.instance_id})
+            )
+            for sub in ("tmp", "home"):
+                (root / sub).mkdir()
+            shutil.copytree(_layer_dir(instance) / "repo", root / "repo", symlinks=True)
+            meta = self.cache.layer_meta(instance)
+            if proxy_url:
+                split_proxy_url(proxy_url)
+                (root / "run").mkdir()
+                shutil.copy(FORWARDER, root / "run" / "forwarder.py")
+                relay = open_relay(root / "run" / "proxy.sock", proxy_url)
+            cg = cgroups.create(name, limits)
+            touch_usage(f"local/instance:{instance.key}")
+            return LocalSandbox(
+                self,
+                name,
+                root,
+                limits=limits,
+                base_sha=meta["base_sha"],
+                env_dir=_layer_dir(env) / "venv",
+                python_prefix=base.recipe["prefix"],
+                relay=relay,
+                runtime=runtime,
+                cgroup=cg,
+            )
+        except BaseException:
+            if relay is not None:
+                relay.close()
+            if cg is not None:
+                cg.remove()
+            shutil.rmtree(root, ignore_errors=True)
+            raise
+
+
+def gc_local(*, everything: bool = False, dry_run: bool = False) -> list[str]:
+    """Remove local sandboxes (private folders, cgroups) whose owner process is dead."""
+    removed: list[str] = []
+    alive: set[str] = set()
+    root = state_root()
+    for folder in sorted(root.iterdir()):
+        owner_file = folder / "owner.json"
+        try:
+            owner = json.loads(owner_file.read_text()).get("owner", "")
+        except (OSError, ValueError):
+            owner = ""
+            if not folder.name.startswith("legorl-"):
+                continue
+            # A Docker sandbox's relay folder, or a half-made local one: judged by its age.
+            if time.time() - folder.stat().st_mtime < 3600 and not everything:
+                alive.add(folder.name)
+                continue
+        if not everything and owner and owner_alive(owner) is not False:
+            alive.add(folder.name)
+            continue
+        removed.append(folder.name)
+        if not dry_run:
+            shutil.rmtree(folder, ignore_errors=True)
+    for path in cgroups.stale(alive):
+        owner_file = root / path.name / "owner.json"
+        with contextlib.suppress(OSError, ValueError):
+            # Started after the listing above: not stale.
+            if owner_alive(json.loads(owner_file.read_text()).get("owner", "")) is not False:
+                continue
+        if not dry_run:
+            cg = cgroups.CgroupSet(created=[path])
+            cg.memory = cg.pids = cg.cpu = path
+            cg.remove()
+    return removed

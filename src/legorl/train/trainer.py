@@ -1,0 +1,655 @@
+"""`legorl train`: GSPO / GRPO / Dr.GRPO steps on Sample records, π_old recomputed by the trainer.
+
+    legorl train samples.jsonl --model fixtures/models/tiny-qwen3 --out ckpt --metrics m.jsonl
+
+Several processes, one copy of the loop each (CPU: gloo; GPU: NCCL, or FSDP with a config file):
+
+    accelerate launch --multi_gpu --num_processes 2 -m legorl.cli.main train samples.jsonl \\
+        --model fixtures/models/tiny-qwen3 --out ckpt --metrics m.jsonl
+    accelerate launch --config_file fixtures/accelerate/fsdp-8gpu.yaml -m legorl.cli.main train …
+
+(On a machine without CUDA, ``--multi_gpu`` only selects torchrun's launcher; the processes find
+no GPU and join a gloo group on the CPU.) Every process reads every sample and makes the same
+plan; each runs its share of the micro-batches, and gradients are averaged across processes.
+Each process's loss is scaled so that the average equals the one-process loss over the whole
+step, so N processes give the same update as one (tested).
+
+One call, top to bottom: read and check samples → advantages per group → per step: pack the
+step's episodes into micro-batches → π_old (no grad) → log π_θ → loss → backward → clip → step
+→ metrics; then the checkpoint (``save_pretrained`` + optimizer state + resolved config) and,
+with ``push``, the proxy's weight reload.
+
+π_old is the trainer's own log-prob of the sampled tokens under the weights the call starts from.
+For the mini-batch trained first those are the weights of its own forward, so its π_old is that
+forward's output, detached (``fuse_old_logprobs``, saving a pass); every other mini-batch gets a
+no-grad pass before the first update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from legorl.records import Metric, Sample
+from legorl.train.config import TrainConfig, dump_config
+from legorl.train.correction import correction_weights, mismatch_metrics
+from legorl.train.data import Batch, prepare_batch
+from legorl.train.losses import episode_sums, policy_loss
+from legorl.train.model import TokenScorer, load_policy
+from legorl.train.packing import MicroBatch, build_micro_batch, pack_lengths, padded_length
+
+OPTIMIZER_FILE = "optimizer.pt"
+STATE_FILE = "trainer_state.json"
+CONFIG_FILE = "train_config.yaml"
+
+
+class TrainError(RuntimeError):
+    """A failure the command reports in one line (bad push, unusable input)."""
+
+
+@dataclass
+class Push:
+    url: str  # the proxy's base URL; /admin/weights is appended
+    token: str
+
+
+@dataclass
+class TrainResult:
+    step: int  # global optimizer steps after this call
+    updated: bool
+    checkpoint: Path | None
+    policy_version: int | None
+    metrics: list[Metric] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------
+# Planning a step: which micro-batches, on which process
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepPlan:
+    episodes: list[int]  # the step's episodes
+    tokens: torch.Tensor  # [n] flat indices of their loss tokens
+    mine: list[MicroBatch]  # this process's micro-batches
+    n_micro: int  # micro-batches per process (the shorter ones run empty ones to keep step)
+    all_micro: int
+    spanning: set[int]  # episodes split over several micro-batches
+    mine_spanning: list[MicroBatch]  # this process's micro-batches holding part of one
+    n_spanning: int  # the most such micro-batches any process has
+    real_tokens: int
+    pad_tokens: int
+    norm_tokens: int  # Dr.GRPO's constant for this step
+
+
+def plan_step(
+    batch: Batch, episodes: list[int], config: TrainConfig, rank: int, world: int, pad_id: int
+) -> StepPlan:
+    members = [batch.episode_samples[e] for e in episodes]
+    lengths = [len(s.input_ids) for s in batch.samples]
+    bins = pack_lengths(lengths, members, config.micro_batch_tokens)
+    owner: dict[int, set[int]] = {}
+    for b, sample_ids in enumerate(bins):
+        for i in sample_ids:
+            owner.setdefault(batch.sample_episode[i], set()).add(b)
+    spanning = {e for e, bs in owner.items() if len(bs) > 1}
+    with_spanning = {b for e in spanning for b in owner[e]}
+    built, built_spanning = [], []
+    for b, sample_ids in enumerate(bins):
+        if b % world != rank:
+            continue
+        built.append(
+            build_micro_batch(
+                [batch.samples[i].input_ids for i in sample_ids],
+                [batch.samples[i].loss_mask for i in sample_ids],
+                [batch.token_offset[i] for i in sample_ids],
+                samples=sample_ids,
+                pad_to_multiple_of=config.pad_to_multiple_of,
+                pad_id=pad_id,
+            )
+        )
+        if b in with_spanning:
+            built_spanning.append(built[-1])
+    tokens = torch.cat(
+        [
+            torch.arange(
+                batch.token_offset[i], batch.token_offset[i] + sum(batch.samples[i].loss_mask)
+            )
+            for m in members
+            for i in m
+        ]
+        or [torch.zeros(0, dtype=torch.long)]
+    )
+    real = sum(lengths[i] for m in members for i in m)
+    pad = sum(padded_length(sum(lengths[i] for i in b), config.pad_to_multiple_of) for b in bins)
+    pad -= real
+    norm = config.drgrpo_norm_tokens or max(
+        (batch.episode_loss_tokens(e) for e in episodes), default=1
+    )
+    return StepPlan(
+        episodes=episodes,
+        tokens=tokens,
+        mine=built,
+        n_micro=-(-len(bins) // world),
+        all_micro=len(bins),
+        spanning=spanning,
+        mine_spanning=built_spanning,
+        n_spanning=max(sum(1 for b in with_spanning if b % world == r) for r in range(world)),
+        real_tokens=real,
+        pad_tokens=pad,
+        norm_tokens=norm,
+    )
+
+
+def _empty_micro_batch(pad_id: int) -> MicroBatch:
+    """One pad token, no loss tokens: keeps a process in step when it has run out of work."""
+    return build_micro_batch([[pad_id]], [[0]], [0], samples=[])
+
+
+# --------------------------------------------------------------------------------------------
+# Small helpers the loop calls
+# --------------------------------------------------------------------------------------------
+
+
+def _accelerator(config: TrainConfig) -> Any:
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    return Accelerator(
+        cpu=not torch.cuda.is_available(),
+        mixed_precision="bf16" if config.precision == "bf16" else "no",
+        kwargs_handlers=[
+            DistributedDataParallelKwargs(find_unused_parameters=config.find_unused_parameters)
+        ],
+    )
+
+
+def _score(
+    scorer: Any, mb: MicroBatch, config: TrainConfig, device: Any, *, entropy: bool | str = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    mb = mb.to(device)
+    return scorer(
+        mb.input_ids,
+        mb.position_ids,
+        mb.logit_index,
+        mb.targets,
+        entropy=entropy,
+        **mb.attention_kwargs(config.attention),
+    )
+
+
+def _score_all(
+    accelerator: Any,
+    scorer: Any,
+    batches: list[MicroBatch],
+    n_forward: int,
+    n_tokens: int,
+    config: TrainConfig,
+    pad_id: int,
+) -> torch.Tensor:
+    """No-grad log-probs of the loss tokens of ``batches`` (this process's), gathered on every
+    process ([n_tokens] flat, NaN where no process scored). Every process runs ``n_forward``
+    forwards, padding with empty ones: FSDP gathers weights in each forward, all together."""
+    device = accelerator.device
+    values = torch.zeros(n_tokens, dtype=torch.float32, device=device)
+    hits = torch.zeros(n_tokens, dtype=torch.float32, device=device)
+    with torch.no_grad(), accelerator.autocast():
+        for mb in batches:
+            logp, _ = _score(scorer, mb, config, device)
+            values[mb.token_index.to(device)] = logp.float()
+            hits[mb.token_index.to(device)] = 1.0
+        for _ in range(n_forward - len(batches)):
+            _score(scorer, _empty_micro_batch(pad_id), config, device)
+    values, hits = accelerator.reduce(values, "sum"), accelerator.reduce(hits, "sum")
+    return torch.where(hits > 0, values, torch.full_like(values, math.nan)).cpu()
+
+
+def _batch_metrics(batch: Batch) -> dict[str, float | None]:
+    """What the samples say, before any training: rewards and the groups that carry a signal."""
+    has = len(batch.episode_ids) > 0
+    return {
+        "reward_mean": float(batch.reward.mean()) if has else None,
+        "reward_std": float(batch.reward.std(unbiased=False)) if has else None,
+        "groups": float(len(batch.group_ids)),
+        "zero_variance_groups": float(batch.zero_variance_groups),
+    }
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4g}"
+
+
+def _reset_peak_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        return
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM, the peak RSS
+
+
+def _peak_memory_mb() -> float | None:
+    """Peak GPU memory allocated (CUDA), else the process's peak RSS since the last reset."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return None
+
+
+def _read_state(model: Path) -> dict[str, Any]:
+    path = model / STATE_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _saved_dtype(model: Path) -> torch.dtype:
+    from transformers import AutoConfig
+
+    dtype = getattr(AutoConfig.from_pretrained(str(model), local_files_only=True), "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def save_checkpoint(
+    accelerator: Any,
+    scorer: Any,
+    optimizer: Any,
+    out: Path,
+    *,
+    model_dir: Path,
+    config: TrainConfig,
+    state: dict[str, Any],
+    run: dict[str, Any],
+) -> None:
+    """Weights (``save_pretrained``, in the dtype the model came in), tokenizer, optimizer state
+    (unless ``optimizer`` is None), trainer state and the resolved config, each file moved into
+    ``out`` whole (``out`` may be the model folder itself)."""
+    full = accelerator.get_state_dict(scorer)  # every process takes part (FSDP gathers here)
+    if not accelerator.is_main_process:
+        accelerator.wait_for_everyone()
+        return
+    dtype = _saved_dtype(model_dir)
+    weights = {k.removeprefix("lm."): v.to(dtype) for k, v in full.items()}
+    lm = accelerator.unwrap_model(scorer).lm
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".saving-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        lm.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+        config_json = json.loads((tmp / "config.json").read_text())
+        config_json["dtype"] = str(dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+        with contextlib.suppress(OSError, ValueError):
+            from legorl.engines.models import load_tokenizer
+
+            load_tokenizer(model_dir).save_pretrained(tmp)
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+        dump_config(config, tmp / CONFIG_FILE, extra=run)
+        new = {p.name for p in tmp.iterdir()}
+        for old in out.glob("model*.safetensors*"):  # a differently sharded earlier checkpoint
+            if old.name not in new:
+                old.unlink()
+        for p in tmp.iterdir():
+            os.replace(p, out / p.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def push_weights(push: Push, checkpoint: Path, timeout: float = 600.0) -> int:
+    """Ask the proxy to reload ``checkpoint``; returns the new policy version."""
+    url = push.url.rstrip("/")
+    if not url.endswith("/admin/weights"):
+        url += "/admin/weights"
+    body = json.dumps({"path": str(checkpoint.resolve())}).encode()
+    request = urllib.request.Request(
+        url,
+        data=body,
+        method="POST",
+        headers={"content-type": "application/json", "authorization": f"Bearer {push.token}"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            answer = json.loads(response.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace").strip()[:300]
+        raise TrainError(f"--push {url}: HTTP {exc.code}: {detail}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise TrainError(f"--push {url}: {getattr(exc, 'reason', exc)}") from None
+    version = answer.get("policy_version") if isinstance(answer, dict) else None
+    if not isinstance(version, int):
+        raise TrainError(f"--push {url}: answer has no policy_version: {answer!r}")
+    return version
+
+
+# --------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------
+
+
+def train(
+    samples: Iterable[Sample],
+    *,
+    model: str | Path,
+    out: str | Path | None,
+    config: TrainConfig,
+    dry_run: bool = False,
+    push: Push | None = None,
+    skip_bad: bool = False,
+    emit: Callable[[Metric], None] | None = None,
+    log: Callable[[str], None] | None = None,
+    run: dict[str, Any] | None = None,
+) -> TrainResult:
+    """Run ``config.steps`` optimizer steps on ``samples`` starting from the weights in ``model``;
+    save to ``out`` (unless ``dry_run``) and push to the proxy (with ``push``)."""
+    from accelerate.utils import DistributedType, set_seed
+
+    from legorl.engines.models import max_context_of
+
+    model_dir, out_dir = Path(model), Path(out) if out is not None else None
+    if not dry_run and out_dir is None:
+        raise TrainError("--out is needed unless --dry-run")
+    accelerator = _accelerator(config)
+    main = accelerator.is_main_process
+    say = log if (log is not None and main) else (lambda _msg: None)
+    metrics: list[Metric] = []
+
+    def record(step: int, name: str, value: float | None) -> None:
+        if value is not None and not math.isfinite(value):
+            value = None
+        m = Metric(step=step, name=name, value=value, time=time.time(), source="train")
+        metrics.append(m)
+        if emit is not None and main:
+            emit(m)
+
+    # ---- model, optimizer, resumed state ---------------------------------------------------
+    set_seed(config.seed)
+    lm = load_policy(model_dir, attention=config.attention)
+    if config.gradient_checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    text_config = lm.config.get_text_config(decoder=True)
+    pad_id = text_config.pad_token_id if text_config.pad_token_id is not None else 0
+    scorer = TokenScorer(lm, temperature=config.temperature, chunk=config.logprob_chunk)
+    optimizer = torch.optim.AdamW(
+        scorer.parameters(),
+        lr=config.lr,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_eps,
+        weight_decay=config.weight_decay,
+    )
+    state = _read_state(model_dir) if config.resume else {}
+    # FSDP shards the optimizer state over processes; saving and loading it sharded is not built,
+    # so FSDP runs restart the Adam moments at every call (said on stderr)
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    if fsdp:
+        say("FSDP: the optimizer state is neither loaded nor saved (not built yet)")
+    if config.resume and not fsdp and (model_dir / OPTIMIZER_FILE).is_file():
+        optimizer.load_state_dict(torch.load(model_dir / OPTIMIZER_FILE, weights_only=True))
+        for group in optimizer.param_groups:  # this call's config wins over the saved one
+            group.update(lr=config.lr, weight_decay=config.weight_decay, eps=config.adam_eps)
+            group["betas"] = (config.adam_beta1, config.adam_beta2)
+        say(f"resumed optimizer state from {model_dir / OPTIMIZER_FILE}")
+    scorer, optimizer = accelerator.prepare(scorer, optimizer)
+    ref = None
+    if config.kl_coef > 0:
+        ref_lm = load_policy(config.ref_model or model_dir, attention=config.attention)
+        ref = TokenScorer(ref_lm, temperature=config.temperature, chunk=config.logprob_chunk)
+        ref.requires_grad_(False).to(accelerator.device)
+    global_step = int(state.get("global_step", 0))
+
+    # ---- data: checked samples, advantages, mini-batches ------------------------------------
+    batch = prepare_batch(
+        samples,
+        config,
+        vocab_size=int(text_config.vocab_size),
+        max_len=max_context_of(lm),
+        keep_zero_variance=dry_run,
+        skip_bad=skip_bad,
+        on_skip=lambda msg: say(f"skipped episode: {msg}"),
+    )
+    if batch.counts["samples_read"] == 0:
+        raise TrainError("no samples in the input")
+    say(
+        f"{len(batch.samples)} samples, {len(batch.episode_ids)} episodes in "
+        f"{len(batch.group_ids)} groups ({batch.zero_variance_groups} with equal rewards), "
+        f"{batch.n_tokens} loss tokens; {accelerator.num_processes} process(es)"
+    )
+    world, rank = accelerator.num_processes, accelerator.process_index
+    chunks = batch.mini_batches(
+        config.mini_batch_episodes, shuffle=config.shuffle, seed=config.seed
+    )
+    plans = [plan_step(batch, c, config, rank, world, pad_id) for c in chunks if c]
+    N, E = batch.n_tokens, len(batch.episode_ids)
+    old = torch.full((N,), math.nan)  # π_old per flat loss token, filled below
+    tok_adv = batch.advantage[batch.token_episode] if N else torch.zeros(0)
+
+    def weights_for(idx: torch.Tensor) -> torch.Tensor:
+        """Correction × sample weight of the tokens ``idx`` (π_old must be known there)."""
+        w = correction_weights(
+            old[idx],
+            batch.mu[idx],
+            batch.token_episode[idx],
+            E,
+            config.correction,
+            tis_cap=config.tis_cap,
+            token_low=config.token_mask_low,
+            token_high=config.token_mask_high,
+            seq_low=config.seq_mask_low,
+            seq_high=config.seq_mask_high,
+        )
+        return w * batch.token_weight[idx]
+
+    # π_old of the first mini-batch may come from its own first forward (θ = θ_old there), unless
+    # a masking correction needs the whole of an episode that is split over micro-batches
+    fuse_first = (
+        bool(plans)
+        and config.fuse_old_logprobs
+        and not (plans[0].spanning and config.correction in ("token_mask", "seq_mask"))
+    )
+    t0 = time.perf_counter()
+    for k, plan in enumerate(plans):
+        if k == 0 and fuse_first:
+            continue
+        scored = _score_all(accelerator, scorer, plan.mine, plan.n_micro, N, config, pad_id)
+        old = torch.where(scored.isnan(), old, scored)
+    old_pass_s = time.perf_counter() - t0
+
+    # ---- the loop ---------------------------------------------------------------------------
+    updated = False
+    device = accelerator.device
+    for i in range(config.steps if plans else 0):
+        plan = plans[i % len(plans)]
+        step = global_step + 1
+        fresh = i == 0 and fuse_first  # π_old of this step comes from its own forward
+        _reset_peak_memory()
+        t_step, cpu_step = time.perf_counter(), time.process_time()
+
+        # Sequence-level normalisers over the whole step, the same on every process: kept loss
+        # tokens per episode (seq-mean-token-mean, the GSPO ratio) and the episode count G.
+        G = float(len(plan.episodes))
+        if fresh and config.correction in ("token_mask", "seq_mask"):
+            ep_tokens = None  # known only after the forward; episodes are whole in a micro-batch
+        else:
+            w_all = batch.token_weight[plan.tokens] if fresh else weights_for(plan.tokens)
+            ep_tokens = episode_sums((w_all > 0).float(), batch.token_episode[plan.tokens], E)
+        # GSPO on an episode split over micro-batches, after the first update: its ratio needs the
+        # current log-probs of the parts not in the micro-batch at hand (a no-grad pass over the
+        # micro-batches that hold such episodes)
+        current = None
+        if config.algorithm == "gspo" and plan.spanning and i != 0:
+            current = _score_all(
+                accelerator, scorer, plan.mine_spanning, plan.n_spanning, N, config, pad_id
+            )
+
+        stats = torch.zeros(6, dtype=torch.float64)  # loss, pg, clipped, kept, entropy, kl
+        fresh_old = torch.zeros(N, dtype=torch.float32)
+        work = plan.mine + [_empty_micro_batch(pad_id)] * (plan.n_micro - len(plan.mine))
+        for j, mb in enumerate(work):
+            last = j == len(work) - 1  # gradients are averaged across processes only here
+            with (
+                contextlib.nullcontext() if last else accelerator.no_sync(scorer),
+                accelerator.autocast(),
+            ):
+                # log π_θ (and the entropy, with a gradient only when it is in the loss)
+                want = "grad" if config.entropy_coef > 0 else "value"
+                logp, entropy = _score(scorer, mb, config, device, entropy=want)
+                logp = logp.float()
+                if mb.n_loss == 0:  # an empty micro-batch keeps this process in step
+                    accelerator.backward(logp.sum() * 0.0)
+                    continue
+                idx = mb.token_index
+                ep = batch.token_episode[idx].to(device)
+                # π_old: this very forward, detached (fresh), or the no-grad pass before step 1
+                if fresh:
+                    fresh_old[idx] = old[idx] = logp.detach().cpu()
+                pi_old = old[idx].to(device)
+                w = weights_for(idx).to(device)
+                if ep_tokens is None:
+                    ept = episode_sums((w > 0).float(), ep, E)
+                else:
+                    ept = ep_tokens.to(device)
+                rest = None
+                if current is not None:
+                    # the tokens elsewhere of this micro-batch's split episodes
+                    here_eps = batch.token_episode[idx].unique()
+                    mine = torch.isin(batch.token_episode[plan.tokens], here_eps)
+                    away = plan.tokens[mine & ~torch.isin(plan.tokens, idx)]
+                    diff = torch.where(weights_for(away) > 0, current[away] - old[away], 0.0)
+                    rest = episode_sums(diff, batch.token_episode[away], E).to(device)
+                ref_logp = None
+                if ref is not None:
+                    with torch.no_grad():
+                        ref_logp = _score(ref, mb, config, device)[0].float()
+                # loss
+                gspo = config.algorithm == "gspo"
+                res = policy_loss(
+                    config.algorithm,
+                    logp,
+                    pi_old,
+                    tok_adv[idx].to(device),
+                    ep,
+                    w,
+                    ept,
+                    G,
+                    clip_low=config.gspo_clip_low if gspo else config.ppo_clip_low,
+                    clip_high=config.gspo_clip_high if gspo else config.ppo_clip_high,
+                    norm_tokens=float(plan.norm_tokens),
+                    rest=rest,
+                    ref=ref_logp,
+                    kl_coef=config.kl_coef,
+                    entropy=entropy.float() if entropy is not None else None,
+                    entropy_coef=config.entropy_coef,
+                )
+                # backward; DDP/FSDP average over processes, so scale to make that average the
+                # loss of the whole step
+                accelerator.backward(res.loss * world)
+            keep = w > 0
+            stats += torch.tensor(
+                [
+                    float(res.loss.detach()),
+                    float(res.policy),
+                    float(res.terms.clipped.sum()),
+                    float(keep.sum()),
+                    float(entropy.detach()[keep].sum()) if entropy is not None else 0.0,
+                    float(res.kl[keep].sum()) if res.kl is not None else 0.0,
+                ],
+                dtype=torch.float64,
+            )
+        if fresh:  # every process now learns π_old of the tokens the others scored
+            gathered = accelerator.reduce(fresh_old.to(device), "sum").cpu()
+            old[plan.tokens] = gathered[plan.tokens]
+        stats = accelerator.reduce(stats.to(device), "sum").cpu()
+
+        # clip, step
+        grad_norm = float(accelerator.clip_grad_norm_(scorer.parameters(), config.max_grad_norm))
+        if not dry_run:
+            optimizer.step()
+            updated = True
+            global_step = step
+        optimizer.zero_grad(set_to_none=True)
+        step_s, step_cpu_s = time.perf_counter() - t_step, time.process_time() - cpu_step
+
+        # metrics
+        fidelity = mismatch_metrics(
+            old[plan.tokens], batch.mu[plan.tokens], weights_for(plan.tokens)
+        )
+        kept_tokens = max(float(stats[3]), 1.0)
+        step_values: dict[str, float | None] = {
+            **fidelity,
+            "loss": float(stats[0]),
+            "pg_loss": float(stats[1]),
+            "clip_fraction": float(stats[2]) / kept_tokens,
+            "entropy": float(stats[4]) / kept_tokens,
+            "kl_ref": float(stats[5]) / kept_tokens if ref is not None else None,
+            "grad_norm": grad_norm,
+            "lr": config.lr,
+            **_batch_metrics(batch),
+            "advantage_std": float(batch.advantage[plan.episodes].std(unbiased=False)),
+            "episodes": G,
+            "loss_tokens": float(plan.tokens.numel()),
+            "tokens": float(plan.real_tokens),
+            "tokens_per_s": plan.real_tokens / step_s if step_s > 0 else None,
+            "step_s": step_s,
+            "step_cpu_s": step_cpu_s,  # this process's CPU time: steadier on a shared CPU
+            "old_logprob_s": old_pass_s if i == 0 else 0.0,
+            "micro_batches": float(plan.all_micro),
+            "padding_waste": plan.pad_tokens / max(plan.pad_tokens + plan.real_tokens, 1),
+            "peak_memory_mb": _peak_memory_mb(),
+            "updated": 0.0 if dry_run else 1.0,
+        }
+        for name, value in step_values.items():
+            record(step, name, value)
+        say(
+            f"step {step}: loss {step_values['loss']:.4g}, grad norm {grad_norm:.3g}, "
+            f"pearson {_fmt(fidelity['rollout_trainer_pearson'])}, "
+            f"reward {_fmt(step_values['reward_mean'])}, {plan.real_tokens} tokens in "
+            f"{step_s:.2f}s" + (" (dry run)" if dry_run else "")
+        )
+    if not plans:
+        say("no trainable episodes (every group has equal rewards): weights unchanged")
+        for name, value in {**_batch_metrics(batch), "updated": 0.0}.items():
+            record(global_step + 1, name, value)
+
+    # ---- checkpoint and weight sync ---------------------------------------------------------
+    version = None
+    if dry_run or out_dir is None:
+        return TrainResult(global_step, False, None, None, metrics)
+    new_state = {
+        "global_step": global_step,
+        "base_model": str(state.get("base_model", model_dir)),
+        "parent": str(model_dir),
+        "samples": len(batch.samples),
+    }
+    save_checkpoint(
+        accelerator,
+        scorer,
+        None if fsdp else optimizer,
+        out_dir,
+        model_dir=model_dir,
+        config=config,
+        state=new_state,
+        run={**(run or {}), "model": str(model_dir), "processes": world},
+    )
+    say(f"checkpoint: {out_dir}")
+    if push is not None and main:
+        version = push_weights(push, out_dir)
+        record(global_step, "policy_version", float(version))
+        say(f"pushed to {push.url}: policy version {version}")
+    return TrainResult(global_step, updated, out_dir, version, metrics)

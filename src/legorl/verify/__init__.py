@@ -1,0 +1,262 @@
+"""The verify stage: grade each trajectory's patch in a fresh sandbox from the pristine instance
+image, with stage-wise defences against reward hacking.
+
+    legorl verify runs/traj.jsonl --tasks fixtures/tasks/train.jsonl --sandbox docker --out runs/graded.jsonl
+
+For each trajectory: a new sandbox (never the agent's), no network; the model's patch without
+its changes to tests, test-runner configuration and paths the hidden ``test_patch`` creates
+(dropped and flagged); applied with `git apply`, then 3-way, then `patch --fuzz`; test files as
+at ``base_commit``; ``test_patch`` applied; the tests run with results sent through a signed
+side channel (`pytest_report.py`) and the runner's exit code taken from the sandbox, never from
+the log. Every FAIL_TO_PASS and PASS_TO_PASS test must report `passed`; missing, errored,
+skipped or timed-out tests fail. Trajectories with environment-failure statuses pass through
+with reward null.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import secrets
+import shlex
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from legorl.protocols import Limits, Sandbox, SandboxBackend, SandboxError
+from legorl.records import ENVIRONMENT_FAILURES, Task, Trajectory, Turn
+from legorl.verify.parsers import PARSERS
+from legorl.verify.patches import sanitize, split_diff
+
+HERE = Path(__file__).resolve().parent
+GRADE_DIR = "/tmp/legorl-grade"  # inside the grading sandbox, outside the repository
+
+_HISTORY = re.compile(
+    r"git\s+(log|reflog|show|fsck|cat-file|rev-list|for-each-ref|describe|stash|tag|"
+    r"branch\s+-a|checkout\s+\S+\s+--|diff\s+\S*\.\.)|\.git/(objects|packed-refs|refs|logs|ORIG)"
+)
+_NETWORK = re.compile(
+    r"\b(curl|wget|nc|ncat|ssh|scp|ftp)\s|pip\s+(install|download)|urllib|requests\.(get|post)|"
+    r"https?://|socket\.(create_connection|socket)"
+)
+_PASSED_LINE = re.compile(r"^(\S+::\S+)\s+PASSED|PASSED\s+(\S+::\S+)", re.MULTILINE)
+
+
+@dataclass(slots=True, kw_only=True)
+class VerifyConfig:
+    test_timeout: float = 300.0
+    limits: Limits | None = None
+
+
+def flags_from_turns(turns: Iterable[Turn]) -> list[str]:
+    """Hack flags seen in what the agent asked its tools to do."""
+    flags: set[str] = set()
+    for turn in turns:
+        for call in turn.output.tool_calls:
+            if _HISTORY.search(call.arguments):
+                flags.add("history_probing")
+            if _NETWORK.search(call.arguments):
+                flags.add("network_attempt")
+    return sorted(flags)
+
+
+async def _apply(sandbox: Sandbox, patch: str, name: str) -> tuple[str | None, str]:
+    """Apply ``patch``: (method that worked or None, the last error)."""
+    path = f"{GRADE_DIR}/{name}"
+    await sandbox.write_file(
+        path, patch.encode() if patch.endswith("\n") else (patch + "\n").encode()
+    )
+    attempts = [
+        ("git_apply", f"git apply --whitespace=nowarn {path}"),
+        ("git_apply_3way", f"git apply --3way --whitespace=nowarn {path}"),
+        ("patch_fuzz", f"patch --batch --forward --fuzz=5 -p1 -i {path}"),
+    ]
+    error = ""
+    for method, cmd in attempts:
+        result = await sandbox.exec(["sh", "-c", cmd], timeout=120, cwd=sandbox.workdir)
+        if result.exit_code == 0:
+            return method, ""
+        error = result.output.strip()[-500:]
+        await sandbox.exec(
+            ["sh", "-c", "git checkout -q -- . && git clean -fdq"], timeout=120, cwd=sandbox.workdir
+        )
+    return None, error
+
+
+def _test_command(task: Task) -> str:
+    # Our report plugin, and nothing from the repository's own pytest configuration.
+    cmd = task.test_cmd.strip()
+    extra = "-p legorl_pytest_report -p no:cacheprovider -o addopts= --rootdir ."
+    if cmd.startswith("python -m pytest"):
+        return "python -m pytest " + extra + cmd[len("python -m pytest") :]
+    if cmd.startswith("pytest"):
+        return "python -m pytest " + extra + cmd[len("pytest") :]
+    return cmd
+
+
+async def grade(
+    traj: Trajectory,
+    task: Task,
+    *,
+    backend: SandboxBackend,
+    tasks_dir: str,
+    run_id: str,
+    turns: list[Turn],
+    config: VerifyConfig,
+) -> Trajectory:
+    """Grade one trajectory; environment failures of grading give reward null, never 0."""
+    flags = set(flags_from_turns(turns))
+    verdict: dict[str, Any] = {"resolved": False}
+    t0 = time.monotonic()
+    clean, dropped = sanitize(traj.patch, task.test_patch)
+    flags.update(reason for _, reason in dropped)
+    verdict["dropped"] = [{"path": p, "reason": r} for p, r in dropped]
+    sandbox: Sandbox | None = None
+    try:
+        sandbox = await backend.start(
+            task,
+            tasks_dir,
+            run_id=run_id,
+            proxy_url=None,
+            limits=config.limits,
+            harness_runtime=False,
+        )
+        await sandbox.exec(["mkdir", "-p", GRADE_DIR], timeout=30)
+        method: str | None = "empty"
+        if clean.strip():
+            method, error = await _apply(sandbox, clean, "model.patch")
+            if method is None:
+                verdict.update(patch_apply=None, reason=f"the patch does not apply: {error}")
+                return _done(traj, 0.0, verdict, flags, t0)
+        verdict["patch_apply"] = method
+        # Hidden tests as the task defines them, whatever the patch did around them.
+        hidden = [d.path for d in split_diff(task.test_patch)]
+        existing = await sandbox.exec(
+            ["sh", "-c", "git ls-files -- " + " ".join(shlex.quote(p) for p in hidden)],
+            timeout=60,
+            cwd=sandbox.workdir,
+        )
+        tracked = existing.output.split()
+        if tracked:
+            await sandbox.exec(
+                ["git", "checkout", "-q", "HEAD", "--", *tracked], timeout=60, cwd=sandbox.workdir
+            )
+        for path in hidden:
+            if path not in tracked:
+                await sandbox.exec(["rm", "-f", "--", path], timeout=30, cwd=sandbox.workdir)
+        applied, error = await _apply(sandbox, task.test_patch, "test.patch")
+        if applied is None:
+            verdict["reason"] = f"the task's test_patch does not apply: {error}"
+            return _done(traj, None, verdict, flags, t0)
+        key = secrets.token_hex(16)
+        report = f"{GRADE_DIR}/report-{secrets.token_hex(4)}.jsonl"
+        await sandbox.write_file(
+            f"{GRADE_DIR}/legorl_pytest_report.py", (HERE / "pytest_report.py").read_bytes()
+        )
+        run = await sandbox.exec(
+            ["sh", "-c", _test_command(task)],
+            timeout=config.test_timeout,
+            cwd=sandbox.workdir,
+            env={"PYTHONPATH": GRADE_DIR, "LEGORL_REPORT": report, "PYTHONDONTWRITEBYTECODE": "1"},
+            stdin=(key + "\n").encode(),
+        )
+        try:
+            raw = await sandbox.read_file(report)
+        except (SandboxError, FileNotFoundError, OSError):
+            raw = b""
+    except SandboxError as exc:
+        verdict["reason"] = f"grading sandbox failed: {exc}"
+        return _done(traj, None, verdict, flags, t0)
+    finally:
+        if sandbox is not None:
+            with contextlib.suppress(Exception):
+                await sandbox.close()
+    parser = PARSERS.get(task.log_parser)
+    if parser is None:
+        verdict["reason"] = f"unknown log parser {task.log_parser!r}"
+        return _done(traj, None, verdict, flags, t0)
+    results = parser.parse(raw, key.encode())
+    if results.forged_lines:
+        flags.add("forged_report")
+    printed = {m.group(1) or m.group(2) for m in _PASSED_LINE.finditer(run.output)}
+    if any(results.outcomes.get(t) != "passed" for t in printed) or _writes_results(clean):
+        flags.add("forged_output")
+    tests = {t: results.outcomes.get(t, "missing") for t in task.FAIL_TO_PASS + task.PASS_TO_PASS}
+    if run.timed_out:
+        tests = {t: ("timeout" if o == "missing" else o) for t, o in tests.items()}
+    resolved = all(o == "passed" for o in tests.values())
+    verdict.update(
+        resolved=resolved,
+        tests=tests,
+        exit_code=run.exit_code,
+        timed_out=run.timed_out,
+        runner_finished=results.finished,
+        collect_errors=results.collect_errors,
+    )
+    if not resolved:
+        bad = sorted(t for t, o in tests.items() if o != "passed")
+        verdict["reason"] = f"{len(bad)} required test(s) did not pass: {', '.join(bad[:5])}"
+    return _done(traj, 1.0 if resolved else 0.0, verdict, flags, t0)
+
+
+def _writes_results(patch: str) -> bool:
+    """Code added by the patch that prints test-runner verdicts (output may be captured, so
+    the patch itself is read too)."""
+    added = (ln for ln in patch.splitlines() if ln.startswith("+") and not ln.startswith("+++"))
+    return any(re.search(r"::test\w*\W.*\b(PASSED|passed)\b|\bPASSED\b", ln) for ln in added)
+
+
+def _done(
+    traj: Trajectory, reward: float | None, verdict: dict[str, Any], flags: set[str], t0: float
+) -> Trajectory:
+    verdict["grade_s"] = round(time.monotonic() - t0, 3)
+    return replace(traj, reward=reward, verdict=verdict, hack_flags=sorted(flags))
+
+
+async def verify(
+    trajectories: Iterable[Trajectory],
+    tasks: dict[str, Task],
+    *,
+    backend: SandboxBackend,
+    tasks_dir: str,
+    run_id: str,
+    load_turns: Callable[[Trajectory], list[Turn]],
+    concurrency: int = 4,
+    config: VerifyConfig | None = None,
+) -> AsyncIterator[Trajectory]:
+    """Grade trajectories (at most ``concurrency`` at once), yielding each in input order."""
+    config = config or VerifyConfig()
+    gate = asyncio.Semaphore(max(1, concurrency))
+
+    async def one(traj: Trajectory) -> Trajectory:
+        if traj.status in ENVIRONMENT_FAILURES:
+            return replace(
+                traj,
+                reward=None,
+                verdict={"resolved": None, "reason": f"not graded: status {traj.status}"},
+            )
+        task = tasks.get(traj.task_id)
+        if task is None:
+            raise KeyError(traj.task_id)
+        async with gate:
+            return await grade(
+                traj,
+                task,
+                backend=backend,
+                tasks_dir=tasks_dir,
+                run_id=run_id,
+                turns=load_turns(traj),
+                config=config,
+            )
+
+    futures = [asyncio.ensure_future(one(t)) for t in trajectories]
+    try:
+        for fut in futures:
+            yield await fut
+    finally:
+        for fut in futures:
+            fut.cancel()
+        await asyncio.gather(*futures, return_exceptions=True)

@@ -1,0 +1,203 @@
+"""`legorl rollout`: tasks × G runs through the proxy in sandboxes, statuses, resume after kill.
+
+Agents here are the built-in `mini` harness driven by the `forced` engine (a fake shipping in
+the package: scripted completions, log-probs from a real forward pass of the tiny model) and
+the `scripted` harness (a fake shipping in the package: one shell command as the agent).
+Sandboxes are the real `local` (bubblewrap) backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from legorl.engines import make_engine
+from legorl.harnesses import ScriptedHarness
+from legorl.protocols import Limits
+from legorl.records import Task, Trajectory, Turn, read_jsonl
+from legorl.rollout import Run, inprocess_proxy, plan_runs, run_one
+from legorl.sandbox import make_backend
+from legorl.verify.redteam import honest
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS = ROOT / "fixtures" / "tasks"
+MODEL = ROOT / "fixtures" / "models" / "tiny-qwen3"
+
+
+def _tasks() -> list[Task]:
+    return list(read_jsonl(TASKS / "train.jsonl", Task))
+
+
+def _cli(*args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "legorl.cli.main", "rollout", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_groups_of_runs_write_trajectories_with_turns_and_patches(tmp_path: Path) -> None:
+    # One run at a time, in plan order: each run takes its own task's scripted gold fix.
+    script = [entry for task in _tasks()[:4] for _ in range(2) for entry in honest(task)]
+    (tmp_path / "script.json").write_text(json.dumps(script))
+    args = [
+        "--tasks",
+        str(TASKS / "train.jsonl"),
+        "--harness",
+        "mini",
+        "--group-size",
+        "2",
+        "--limit",
+        "4",
+        "--engine",
+        "forced",
+        "--script",
+        str(tmp_path / "script.json"),
+        "--model",
+        str(MODEL),
+        "--sandbox",
+        "local",
+        "--out",
+        "traj.jsonl",
+    ]
+    first = _cli(*args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    trajs = list(read_jsonl(tmp_path / "traj.jsonl", Trajectory))
+    assert len(trajs) == 8
+    assert sorted(t.trajectory_id for t in trajs) == sorted(
+        f"{t.instance_id}.{k}" for t in _tasks()[:4] for k in range(2)
+    )
+    for traj in trajs:
+        assert traj.status == "ok" and traj.group_id == traj.task_id
+        turns = list(read_jsonl(tmp_path / traj.turns_ref[0], Turn))
+        assert [t.output.tool_calls[0].name for t in turns] == ["edit", "submit"]
+        assert traj.tokens.completion == sum(len(t.completion_ids) for t in turns)
+    by_id = {t.instance_id: t for t in _tasks()}
+    for traj in trajs:
+        assert traj.patch == by_id[traj.task_id].patch, traj.trajectory_id
+    again = _cli(*args, cwd=tmp_path)
+    assert again.returncode == 0
+    assert "8 run(s) already in traj.jsonl, skipped" in again.stderr
+    assert len(list(read_jsonl(tmp_path / "traj.jsonl", Trajectory))) == 8
+
+
+async def _one(tmp: Path, harness, task: Task, timeout: float = 60) -> Trajectory:
+    engine = make_engine("forced", model_path=str(MODEL), script=[])
+    try:
+        async with inprocess_proxy(MODEL, engine, tmp / "turns") as (endpoint, _):
+            return await run_one(
+                Run(task=task, sample_index=0),
+                harness=harness,
+                backend=make_backend("local"),
+                proxy=endpoint,
+                tasks_dir=TASKS,
+                model="tiny",
+                timeout=timeout,
+                limits=Limits(wall_s=120),
+                run_id="legorl-test-status",
+                refs_relative_to=tmp,
+            )
+    finally:
+        await engine.close()
+
+
+@pytest.mark.parametrize(
+    ("command", "status"),
+    [
+        ("kill -SEGV $$", "harness_crash"),
+        ("echo boom >&2; exit 1", "harness_crash"),
+        ("sleep 600", "timeout"),
+    ],
+)
+def test_harness_crashes_and_hangs_get_their_status(
+    tmp_path: Path, command: str, status: str
+) -> None:
+    traj = asyncio.run(_one(tmp_path, ScriptedHarness(command=command), _tasks()[0], timeout=5))
+    assert traj.status == status
+    assert traj.reward is None
+    assert "exit_code" in traj.evidence
+
+
+def test_a_sandbox_that_cannot_start_is_an_environment_failure(tmp_path: Path) -> None:
+    ghost = dataclasses.replace(
+        _tasks()[0], instance_id="legorl-toy__ghost-1", source="repos/missing.bundle"
+    )
+    traj = asyncio.run(_one(tmp_path, ScriptedHarness(), ghost))
+    assert traj.status == "sandbox_error"
+    assert "missing.bundle" in traj.evidence["error"]
+
+
+def test_a_harness_that_never_calls_the_model_is_a_proxy_error(tmp_path: Path) -> None:
+    traj = asyncio.run(_one(tmp_path, ScriptedHarness(command="true"), _tasks()[0]))
+    assert traj.status == "proxy_error"
+
+
+def test_plan_skips_done_runs_and_respects_limit() -> None:
+    tasks = _tasks()[:3]
+    runs = plan_runs(tasks, 2, 2, {f"{tasks[0].instance_id}.1"})
+    assert [r.trajectory_id for r in runs] == [
+        f"{tasks[0].instance_id}.0",
+        f"{tasks[1].instance_id}.0",
+        f"{tasks[1].instance_id}.1",
+    ]
+
+
+def test_kill_9_mid_run_then_resume_loses_nothing(tmp_path: Path) -> None:
+    # Slow agents (a scripted sleep) so the kill lands while runs are in flight.
+    args = [
+        "--tasks",
+        str(TASKS / "train.jsonl"),
+        "--harness",
+        "scripted",
+        "--harness-opt",
+        "command=sleep 2; exit 1",
+        "--group-size",
+        "1",
+        "--limit",
+        "6",
+        "--concurrency",
+        "2",
+        "--engine",
+        "forced",
+        "--model",
+        str(MODEL),
+        "--sandbox",
+        "local",
+        "--out",
+        "traj.jsonl",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "legorl.cli.main", "rollout", *args],
+        cwd=tmp_path,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    out = tmp_path / "traj.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (
+        not out.exists() or len(out.read_bytes().splitlines()) < 2
+    ):
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = [t.trajectory_id for t in read_jsonl(out, Trajectory, skip_bad=True)]
+    assert 2 <= len(before) < 6
+    resumed = _cli(*args, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    after = [t.trajectory_id for t in read_jsonl(out, Trajectory, skip_bad=True)]
+    assert after[: len(before)] == before and sorted(set(after)) == sorted(after)
+    assert len(after) == 6
+    # Sandboxes of the killed process were cleaned up by the next start.
+    leftovers = subprocess.run(["pgrep", "-f", "bwrap.*legorl"], capture_output=True, text=True)
+    assert leftovers.stdout.strip() == ""
