@@ -173,7 +173,7 @@ def test_fidelity_with_the_embedded_engine_in_bf16_still_passes() -> None:
 
     fidelity = asyncio.run(go())
     assert fidelity.status == "pass", fidelity
-    assert "over 64 tokens" in fidelity.reason
+    assert "dry-run train" in fidelity.reason and "over 128 loss tokens" in fidelity.reason
 
 
 def test_the_proxy_answers_every_api_shape_each_harness_speaks() -> None:
@@ -309,7 +309,8 @@ def test_a_trainer_with_other_weights_fails_fidelity() -> None:
 
     result = asyncio.run(go())
     assert result.status == "fail"
-    assert result.reason.startswith("Pearson(prob) ") and "< 0.99 over 64 tokens" in result.reason
+    assert result.reason.startswith("dry-run train: Pearson(prob) ")
+    assert "< 0.99 over 128 loss tokens" in result.reason
     assert "same checkpoint" in result.fix
 
 

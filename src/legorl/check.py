@@ -18,8 +18,9 @@ The checks, in order (a check whose prerequisite failed is reported as ``skip``)
 * ``proxy: API``: an in-process proxy answers each API shape the configured harnesses speak
   (OpenAI Chat, Anthropic Messages, Responses), streaming where the harness streams, and
   records the Turn.
-* ``fidelity`` (``dry_run``): the engine samples, the trainer's model recomputes the log-probs of
-  the same tokens; Pearson of the probabilities must be >= 0.99.
+* ``fidelity`` (``dry_run``): a two-sample rollout from the engine through `legorl train
+  --dry-run` with the trainer's model; its rollout/trainer Pearson of probabilities on the loss
+  tokens must be >= 0.99.
 * ``tasks``: the task file loads and every repository bundle it names exists.
 * ``harness: NAME``: the harness is installed (binary on PATH, the OpenHands SDK venv).
 * ``sandbox``: the backend works here: bubblewrap starts a sandbox (``local``); the Docker daemon
@@ -610,10 +611,12 @@ async def check_proxy(config: RunConfig, engine: Any) -> list[CheckResult]:
 
 
 async def check_fidelity(config: RunConfig, engine: Any, tokens: int = 64) -> CheckResult:
-    """Sample ``tokens`` tokens with the engine, recompute their log-probs with the trainer's
-    model (``trainer_model`` or ``model``, at ``trainer_dtype``) and compare probabilities."""
-    from legorl.engines.models import load_model, token_logprobs
-    from legorl.monitors import prob_pearson
+    """A small rollout (two samples from the engine) through `legorl train --dry-run` with the
+    trainer's model (``trainer_model`` or ``model``): its rollout/trainer Pearson of
+    probabilities on the loss tokens must be >= 0.99."""
+    from legorl.records import Metric, Sample
+    from legorl.train.config import build_config
+    from legorl.train.trainer import train
 
     name = "fidelity"
     trainer_path = config.trainer_model or config.model
@@ -623,28 +626,52 @@ async def check_fidelity(config: RunConfig, engine: Any, tokens: int = 64) -> Ch
     )
     try:
         prompt, _ = _prompt_ids(config.model or "")
-        ids, lps = await asyncio.wait_for(_sample(engine, prompt, tokens, []), 600)
+        rollout = [
+            await asyncio.wait_for(_sample(engine, prompt, tokens, []), 600) for _ in range(2)
+        ]
     except Exception as exc:
         return _fail(name, f"the engine did not sample: {_short(exc)}", fix)
-    try:
-        trainer = await asyncio.to_thread(
-            load_model, str(trainer_path), dtype=config.trainer_dtype, device="cpu"
+    samples = [
+        Sample(
+            sample_id=f"check/{k}",
+            episode_id=f"check-{k}",
+            group_id="check",
+            segment_index=0,
+            segment_count=1,
+            input_ids=[*prompt, *ids],
+            loss_mask=[0] * len(prompt) + [1] * len(ids),
+            rollout_logprobs=list(lps),
+            reward=float(k),
         )
-        recomputed = await asyncio.to_thread(
-            token_logprobs, trainer, [*prompt, *ids], start=len(prompt), temperature=1.0
+        for k, (ids, lps) in enumerate(rollout)
+    ]
+    seen: list[Metric] = []
+    try:
+        cfg = build_config(
+            None, [f"precision={'bf16' if config.trainer_dtype == 'bfloat16' else 'fp32'}"], steps=1
+        )
+        await asyncio.to_thread(
+            train,
+            samples,
+            model=str(trainer_path),
+            out=None,
+            config=cfg,
+            dry_run=True,
+            emit=seen.append,
         )
     except Exception as exc:
-        return _fail(name, f"the trainer's model did not score the sample: {_short(exc)}", fix)
-    corr = prob_pearson(lps, recomputed)
-    max_delta = max((abs(a - b) for a, b in zip(lps, recomputed, strict=True)), default=0.0)
-    what = f"{len(ids)} tokens, max |Δ log-prob| {max_delta:.2e}"
+        return _fail(name, f"the trainer's dry run failed: {_short(exc)}", fix)
+    values = {m.name: m.value for m in seen}
+    corr = values.get("rollout_trainer_pearson")
+    max_dp = values.get("prob_abs_diff_max")
+    what = f"{sum(len(ids) for ids, _ in rollout)} loss tokens, max |Δp| {max_dp or 0:.2e}"
     if corr is None:  # constant probabilities: fall back to the largest difference
-        if max_delta <= 1e-3:
+        if max_dp is not None and max_dp <= 1e-3:
             return _pass(name, f"correlation undefined (constant probabilities); {what}")
         return _fail(name, f"correlation undefined and {what}", fix)
     if corr < 0.99:
-        return _fail(name, f"Pearson(prob) {corr:.4f} < 0.99 over {what}", fix)
-    return _pass(name, f"Pearson(prob) {corr:.6f} >= 0.99 over {what}")
+        return _fail(name, f"dry-run train: Pearson(prob) {corr:.4f} < 0.99 over {what}", fix)
+    return _pass(name, f"dry-run train: Pearson(prob) {corr:.6f} >= 0.99 over {what}")
 
 
 # --------------------------------------------------------------------------------------------

@@ -46,6 +46,12 @@ def _sandbox(args: argparse.Namespace) -> dict[str, Any]:
     return bench_sandbox(quick=args.quick)
 
 
+def _train(args: argparse.Namespace) -> dict[str, Any]:
+    from legorl.bench.train import bench_train
+
+    return bench_train(quick=args.quick)
+
+
 def _rollout(args: argparse.Namespace) -> dict[str, Any]:
     from legorl.bench.rollout import bench_rollout
 
@@ -65,6 +71,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "sandbox": _sandbox,
     "rollout": _rollout,
     "verify": _verify,
+    "train": _train,
 }
 
 
