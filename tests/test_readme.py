@@ -117,7 +117,11 @@ def test_readme_rollout_then_verify_examples_run(tmp_path: Path) -> None:
 
 def test_readme_align_into_train_pipe_runs(tmp_path: Path) -> None:
     text = (ROOT / "README.md").read_text()
-    line = next(ln for ln in text.splitlines() if "| legorl train --model" in ln)
+    line = next(
+        ln
+        for ln in text.splitlines()
+        if ln.startswith("legorl align tests/data/align/graded.jsonl |")
+    )
     (tmp_path / "fixtures").symlink_to(ROOT / "fixtures")
     (tmp_path / "tests").symlink_to(ROOT / "tests")
     bindir = tmp_path / "bin"
