@@ -200,9 +200,8 @@ class Monitor:
         stream: IO[str] | None = sys.stderr,
     ) -> None:
         self.config = config or MonitorConfig()
+        # Created with the first alert only: a run that fails early leaves nothing behind.
         self.alerts_path = Path(alerts_path) if alerts_path is not None else None
-        if self.alerts_path is not None:
-            self.alerts_path.parent.mkdir(parents=True, exist_ok=True)
         self.strict = strict
         self.stream = stream
         self.alerts: list[Alert] = []
@@ -410,6 +409,7 @@ class Monitor:
             if self.stream is not None:
                 print(alert.line(), file=self.stream, flush=True)
         if self.alerts_path is not None:
+            self.alerts_path.parent.mkdir(parents=True, exist_ok=True)
             write_side(self.alerts_path, new)
         if self.strict:
             raise MonitorStop(new[0])
