@@ -18,10 +18,10 @@ HELP = "Grade trajectories' patches in a fresh sandbox; adds reward, verdict and
 
 
 def verify(
-    inputs: Inputs = None,
     tasks: Annotated[
         Path, typer.Option("--tasks", "-t", help="The task file the trajectories ran on.")
-    ] = Path("fixtures/tasks/train.jsonl"),
+    ],
+    inputs: Inputs = None,
     sandbox: Annotated[str, typer.Option(help="docker | local")] = "docker",
     concurrency: Annotated[int, typer.Option("--concurrency", "-c", help="Gradings at once.")] = 4,
     test_timeout: Annotated[float, typer.Option(help="Seconds for the test run.")] = 300.0,
