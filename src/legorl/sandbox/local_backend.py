@@ -257,9 +257,15 @@ class LocalCache:
         path = _layer_dir(layer)
         tag = f"local/runtime:{layer.key}"
         if (path / "binds.json").is_file():
-            touch_usage(tag)
             binds = [Path(p) for p in json.loads((path / "binds.json").read_text())]
-            return path, binds, LayerReport("runtime", tag, layer.name, "cached")
+            if _runtime_still_points_at(path, binds, src):
+                touch_usage(tag)
+                return path, binds, LayerReport("runtime", tag, layer.name, "cached")
+            # The layout is symlinks into this host's installs: the same versions installed
+            # elsewhere (another checkout's .venv-openhands) need a new layout, not a stale one.
+            with build_lock(tag):
+                if (path / "binds.json").is_file():
+                    path.rename(path.with_name(path.name + f".stale-{secrets.token_hex(4)}"))
         if not build:
             raise ImageMissingError(
                 f"runtime layer {tag} is not built and building is off (--no-build)"
@@ -279,6 +285,16 @@ class LocalCache:
                 partial.rename(path)
         binds = [Path(p) for p in json.loads((path / "binds.json").read_text())]
         return path, binds, LayerReport("runtime", tag, layer.name, "built")
+
+
+def _runtime_still_points_at(path: Path, binds: list[Path], src: RuntimeSources) -> bool:
+    """Whether a built local runtime layout still leads to the host installs found now."""
+    if not all(b.exists() for b in binds):
+        return False
+    link = path / "root" / "openhands"
+    if src.openhands_venv is not None:
+        return link.is_symlink() and Path(os.readlink(link)) == src.openhands_venv
+    return not link.is_symlink()
 
 
 def _host_view(paths: tuple[str, ...]) -> list[str]:
