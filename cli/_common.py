@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -62,3 +63,17 @@ def iter_inputs(
                 markup=False,
                 soft_wrap=True,
             )
+
+
+def key_values(command: str, flag: str, pairs: list[str] | None) -> dict[str, Any]:
+    """``KEY=VALUE`` options as a dict; values that parse as JSON (numbers, booleans) do."""
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            fail(command, f"{flag} {pair!r}: expected KEY=VALUE", 2)
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import secrets
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from legorl.cli._common import console, fail
+from legorl.cli._common import console, fail, key_values
 
 HELP = "Token-faithful LLM proxy: serve the engine, or intercept harness traffic."
 
@@ -44,15 +43,7 @@ ServedName = Annotated[str, typer.Option("--served-name", help="Model name in /v
 
 
 def _engine_options(pairs: list[str] | None, script: Path | None) -> dict[str, Any]:
-    opts: dict[str, Any] = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            fail("proxy", f"--engine-opt {pair!r}: expected KEY=VALUE", 2)
-        try:
-            opts[key] = json.loads(value)  # numbers and booleans; anything else stays text
-        except json.JSONDecodeError:
-            opts[key] = value
+    opts = key_values("proxy", "--engine-opt", pairs)
     if script is not None:
         if not script.is_file():
             fail("proxy", f"--script {script}: no such file", 2)

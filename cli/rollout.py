@@ -7,28 +7,14 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from legorl.cli._common import console, fail
+from legorl.cli._common import console, fail, key_values
 
 HELP = "Run a harness on tasks in sandboxes through the proxy; writes trajectories."
-
-
-def _opts(pairs: list[str] | None, flag: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            fail("rollout", f"{flag} {pair!r}: expected KEY=VALUE", 2)
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
 
 
 def rollout(
@@ -97,7 +83,7 @@ def rollout(
     if proxy is not None and proxy_turns is None:
         fail("rollout", "--proxy needs --proxy-turns: the folder that proxy writes Turns to", 2)
     try:
-        agent = make_harness(harness, **_opts(harness_opt, "--harness-opt"))
+        agent = make_harness(harness, **key_values("rollout", "--harness-opt", harness_opt))
         backend = make_backend(sandbox)
     except (ValueError, TypeError, SandboxError) as exc:
         fail("rollout", str(exc), 2)
@@ -156,7 +142,7 @@ def rollout(
             from legorl.rollout import inprocess_proxy
 
             assert model is not None
-            opts = _opts(engine_opt, "--engine-opt")
+            opts = key_values("rollout", "--engine-opt", engine_opt)
             if script is not None:
                 opts["script"] = str(script)
             try:
