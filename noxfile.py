@@ -3,7 +3,7 @@
 nox -s tests    # the whole suite, CPU
 nox -s lint     # ruff + mypy on src/
 nox -s bench    # writes bench.json: legorl beside its baselines, as ratios
-nox -s demo     # the main job on the embedded default (not built yet)
+nox -s demo     # the main job: `legorl loop` on the embedded default (CPU, local sandboxes)
 """
 
 from __future__ import annotations
@@ -51,10 +51,10 @@ def bench(session: nox.Session) -> None:
     session.run("python", "-m", "legorl.bench", "--out", "bench.json", *session.posargs)
 
 
-@nox.session(python=False)
+@nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
-    """rollout → verify → align → train on the embedded default, on CPU."""
-    session.error(
-        "the demo loop is not built yet (tracked in issue #10): it needs the proxy, sandbox, "
-        "rollout, verify, align and train stages first."
-    )
+    """`legorl loop` with its defaults: rollout → verify → align → train, weights reloaded into
+    the proxy each iteration, held-out evaluation before and after; embedded engine on CPU, local
+    sandboxes. Re-running continues runs/demo; extra arguments go to `legorl loop`."""
+    _install(session)
+    session.run("legorl", "loop", "--out", "runs/demo", *session.posargs)

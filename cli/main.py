@@ -1,6 +1,7 @@
 """legorl's command line: the table of contents. Each subcommand lives in its own module.
 
 legorl rollout … | legorl verify | legorl align | legorl train …
+legorl loop …   # all of them, K times, with the weights reloaded in between
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from legorl.cli import align, cat, check, inspect, proxy, rollout, sandbox, train, verify
+from legorl.cli import align, cat, check, inspect, loop, proxy, rollout, sandbox, train, verify
 
 from legorl import __version__
 
@@ -28,6 +29,7 @@ app.command("rollout", help=rollout.HELP)(rollout.rollout)
 app.command("verify", help=verify.HELP)(verify.verify)
 app.command("align", help=align.HELP)(align.align)
 app.command("train", help=train.HELP)(train.train)
+app.command("loop", help=loop.HELP)(loop.loop)
 app.command("inspect", help=inspect.HELP)(inspect.inspect)
 app.command("check", help=check.HELP)(check.check)
 app.command("cat")(cat.cat)

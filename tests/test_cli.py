@@ -12,7 +12,7 @@ import pytest
 
 from legorl.records import Metric, read_jsonl, to_json, write_jsonl
 
-STAGES = ["proxy", "sandbox", "rollout", "verify", "align", "train", "inspect", "check"]
+STAGES = ["proxy", "sandbox", "rollout", "verify", "align", "train", "loop", "inspect", "check"]
 
 
 def legorl(*args: str, stdin: bytes = b"", cwd: Path | None = None) -> subprocess.CompletedProcess:

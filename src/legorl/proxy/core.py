@@ -207,8 +207,7 @@ class ProxyCore:
             path = data.get("path")
             if not isinstance(path, str):
                 raise ApiError(400, "path: expected a string", param="path")
-            version = await self.engine.load_weights(path)
-            return self._json(200, {"policy_version": version})
+            return self._json(200, {"policy_version": await self.load_weights(path)})
         if method == "POST" and rest == "/admin/sessions":
             sid = data.get("id")
             if not isinstance(sid, str):
@@ -220,6 +219,19 @@ class ProxyCore:
             self.close_session(sid)
             return self._json(200, {"id": sid, "deleted": True})
         raise ApiError(404, f"no admin route {method} {rest}", kind="not_found_error")
+
+    async def load_weights(self, path: str) -> int:
+        """Swap the engine's weights for the checkpoint at ``path`` without dropping sessions
+        (``POST /admin/weights``); Turns sampled afterwards carry the returned policy version."""
+        return await self.engine.load_weights(path)
+
+    def redirect_turns(self, out: str | Path) -> None:
+        """Write Turn records to ``out`` from now on (the loop gives each phase its own folder).
+        Call it between runs: a live session's later Turns would land in the new folder."""
+        for sid in list(self._writers):
+            self._writers.pop(sid).close()
+        self.out = Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
 
     def open_session(self, sid: str) -> None:
         """Accept calls for ``sid`` (needed when ``open_sessions`` is off)."""

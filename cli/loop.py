@@ -1,0 +1,212 @@
+"""`legorl loop`: K iterations of rollout → verify → align → train with the embedded engine, the
+weights reloaded into the in-process proxy after each step; held-out evaluation before and after.
+
+    legorl loop --model fixtures/models/tiny-agent --tasks-dir fixtures/tasks --out runs/loop
+    legorl loop --iterations 8 --group-size 8 --lr 1e-5 kl_coef=0.01 correction=seq_mask
+
+Re-running the same command with the same --out continues an interrupted loop; a finished one
+only prints its summary. Exit status: 0 done; 1 a stage failed; 2 bad usage.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, NoReturn
+
+import typer
+from legorl.cli._common import console, fail
+
+if TYPE_CHECKING:
+    from legorl.loop import LoopResult
+
+HELP = "The RL loop: rollout → verify → align → train, K iterations, held-out eval; resumable."
+
+
+def loop(
+    overrides: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help="Train config key=value overrides (e.g. kl_coef=0.01).", show_default=False
+        ),
+    ] = None,
+    model: Annotated[
+        Path, typer.Option("--model", "-m", help="Model folder to start from.")
+    ] = Path("fixtures/models/tiny-agent"),
+    tasks_dir: Annotated[
+        Path, typer.Option(help="Folder with train.jsonl and heldout.jsonl.")
+    ] = Path("fixtures/tasks"),
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="Run folder (re-use it to continue).")
+    ] = Path("runs/loop"),
+    iterations: Annotated[int, typer.Option(help="Training iterations.")] = 4,
+    group_size: Annotated[int, typer.Option("--group-size", "-g", help="Samples per task.")] = 4,
+    tasks_per_iteration: Annotated[
+        int, typer.Option(help="Train tasks per iteration (round-robin, seeded shuffle).")
+    ] = 16,
+    eval_samples: Annotated[int, typer.Option(help="Seeded samples per held-out task.")] = 2,
+    eval_limit: Annotated[
+        int | None, typer.Option(help="Only the first N held-out tasks (default: all).")
+    ] = None,
+    sandbox: Annotated[str, typer.Option(help="local | docker")] = "local",
+    concurrency: Annotated[
+        int, typer.Option("--concurrency", "-c", help="Runs and gradings at once.")
+    ] = 2,
+    max_turns: Annotated[int, typer.Option(help="Agent turns per run.")] = 6,
+    max_tokens: Annotated[int, typer.Option(help="Completion tokens per model call.")] = 256,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Task shuffle; eval seeds are SEED + sample.")] = 0,
+    steps_per_iteration: Annotated[int, typer.Option(help="Optimizer steps per iteration.")] = 1,
+    lr: Annotated[
+        float | None, typer.Option(help="Learning rate (default: the trainer's).")
+    ] = None,
+    algorithm: Annotated[
+        str | None, typer.Option(help="gspo | grpo | drgrpo (default: the trainer's).")
+    ] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds per harness run.")] = 300.0,
+    device: Annotated[str, typer.Option(help="Engine device: auto, cpu, cuda, …")] = "auto",
+) -> None:
+    """Rollout → verify → align → train, ITERATIONS times, with held-out evaluation."""
+    from legorl.loop import LoopConfig, LoopConfigError, LoopError, run_loop
+
+    config = LoopConfig(
+        model=model,
+        tasks_dir=tasks_dir,
+        out=out,
+        iterations=iterations,
+        group_size=group_size,
+        tasks_per_iteration=tasks_per_iteration,
+        eval_samples=eval_samples,
+        eval_limit=eval_limit,
+        sandbox=sandbox,
+        concurrency=concurrency,
+        max_turns=max_turns,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+        steps_per_iteration=steps_per_iteration,
+        lr=lr,
+        algorithm=algorithm,
+        train_overrides=list(overrides or []),
+        timeout=timeout,
+        device=device,
+    )
+    try:
+        config.validate()
+    except LoopConfigError as exc:
+        _bad(exc)
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+    def say(msg: str) -> None:
+        console.print(f"legorl loop: {msg}", markup=False, soft_wrap=True)
+
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        shown: dict[str, int] = {}
+
+        def progress(phase: str, done: int, total: int) -> None:
+            if phase not in shown:
+                for old in shown.values():
+                    bar.remove_task(old)
+                shown.clear()
+                shown[phase] = bar.add_task(phase, total=total)
+            bar.update(shown[phase], completed=done)
+
+        try:
+            result = run_loop(config, log=say, progress=progress)
+        except LoopConfigError as exc:
+            _bad(exc)
+        except LoopError as exc:
+            fail("loop", str(exc))
+        except KeyboardInterrupt:
+            fail("loop", f"interrupted: run the same command again to continue {out}", 130)
+    summary(result)
+
+
+def _bad(exc: object) -> NoReturn:
+    from legorl.loop import LoopConfigError
+
+    assert isinstance(exc, LoopConfigError)
+    if exc.field == "train":  # the message names the key=value override or the flag
+        fail("loop", exc.problem, 2)
+    fail("loop", f"--{exc.field.replace('_', '-')}: {exc.problem}", 2)
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
+
+
+def _num(x: float | None, spec: str = ".3f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(round(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h {m:02d}m {s:02d}s" if h else f"{m}m {s:02d}s"
+
+
+def summary(result: LoopResult) -> None:
+    """The loop's outcome, on stderr: per-iteration table, held-out before → after, health."""
+    from rich import box
+    from rich.table import Table
+
+    state = result.state
+    table = Table(
+        title=f"legorl loop: {result.config.out}",
+        title_justify="left",
+        box=box.SIMPLE,
+        show_edge=False,
+        caption="ver: policy version after the iteration",
+        caption_justify="left",
+    )
+    for col in ("iter", "reward", "solved", "pearson", "crash", "flags", "train", "ver", "time"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for it in state.iterations:
+        table.add_row(
+            str(it.iteration),
+            _num(it.reward_mean),
+            _pct(it.solved_fraction),
+            _num(it.rollout_trainer_pearson, ".4f"),
+            str(it.crashes),
+            str(it.hack_flags),
+            "yes" if it.trained else "no",
+            str(it.policy_version),
+            _duration(it.seconds),
+        )
+    console.print(table)
+    before, after = result.before, result.after
+    line = f"held-out success: {_pct(before.success if before else None)}"
+    if after is not None:
+        line += f" → {_pct(after.success)}"
+        if before is not None and before.success is not None and after.success is not None:
+            line += f" ({(after.success - before.success) * 100:+.1f} points)"
+        line += f" (policy version {before.policy_version if before else 0} → "
+        line += f"{after.policy_version})"
+    console.print(line, markup=False)
+    corr = [i.rollout_trainer_pearson for i in state.iterations]
+    known = [c for c in corr if c is not None]
+    span = f"{min(known):.4f}–{max(known):.4f}" if known else "n/a"
+    crashes = sum(i.crashes for i in state.iterations) + sum(e.crashes for e in state.evals)
+    flags = sum(i.hack_flags for i in state.iterations) + sum(e.hack_flags for e in state.evals)
+    skipped = sum(not i.trained for i in state.iterations)
+    console.print(
+        f"rollout/trainer Pearson over {len(state.iterations)} iteration(s): {span}; "
+        f"crashes (environment failures) {crashes}; runs with hack flags {flags}; "
+        f"iterations without training {skipped}",
+        markup=False,
+        soft_wrap=True,
+    )
+    console.print(
+        f"time {_duration(result.total_seconds)}"
+        + ("" if result.already_finished else f" ({_duration(result.seconds)} in this call)"),
+        markup=False,
+    )
+    plot = str(result.plot_path) if result.plot_path else "none (no matplotlib)"
+    console.print(
+        f"metrics: {result.metrics_path}  plot: {plot}  state: {result.state_path}", markup=False
+    )
