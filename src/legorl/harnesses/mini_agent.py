@@ -70,15 +70,15 @@ class ApiFailure(Exception):
     pass
 
 
-def chat(args: argparse.Namespace, messages: list[dict], tools: bool = True) -> dict:
+def chat(args: argparse.Namespace, messages: list[dict], tools: bool = True, call: int = 0) -> dict:
     body: dict = {
         "model": args.model,
         "messages": messages,
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
     }
-    if args.seed is not None:
-        body["seed"] = args.seed
+    if args.seed is not None:  # one seed per call: the same run replays, calls differ
+        body["seed"] = args.seed + call
     if tools:
         body["tools"] = TOOLS
     request = urllib.request.Request(
@@ -151,7 +151,7 @@ def compact(args: argparse.Namespace, messages: list[dict], task: str) -> list[d
             "in a few lines. Do not call a tool.",
         }
     ]
-    answer = chat(args, ask)["choices"][0]["message"].get("content") or ""
+    answer = chat(args, ask, call=10_000)["choices"][0]["message"].get("content") or ""
     return [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": f"{task}\n\nProgress so far:\n{answer}"},
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     try:
         for turn in range(args.max_turns):
-            answer = chat(args, messages)
+            answer = chat(args, messages, call=turn)
             message = answer["choices"][0]["message"]
             calls = message.get("tool_calls") or []
             messages.append(
