@@ -134,6 +134,19 @@ def test_one_iteration_trains_reloads_the_proxy_and_evaluates(
     assert any("weights reloaded into the proxy: policy version 1" in line for line in lines)
 
 
+def test_inspect_reads_a_loop_folder(one_iteration: tuple[Path, LoopResult, list[str]]) -> None:
+    out, _, _ = one_iteration
+    result = subprocess.run(
+        [sys.executable, "-m", "legorl.cli.main", "inspect", "--summary", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "trajector" in result.stdout.lower(), result.stdout[:2000]
+    assert "reward_mean" in result.stdout or "heldout_success" in result.stdout
+
+
 def test_more_iterations_continue_a_finished_loop_without_redoing_it(
     one_iteration: tuple[Path, LoopResult, list[str]], tmp_path: Path
 ) -> None:
