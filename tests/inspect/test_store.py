@@ -135,6 +135,18 @@ def test_a_graded_trajectory_replaces_the_rollout_record_in_place(run: RunFiles)
     assert hacks == ["traj-1", "traj-0"]
 
 
+def test_a_rollout_record_read_after_its_graded_one_does_not_undo_the_grade(
+    run: RunFiles,
+) -> None:
+    # A folder read in name order gives graded.jsonl before trajectories.jsonl.
+    store = RunStore()
+    graded = next(iter(read_jsonl(run.trajectories, Trajectory)))
+    assert graded.reward is not None
+    store.add(graded, run.trajectories)
+    store.add(dataclasses.replace(graded, reward=None, verdict=None), run.trajectories)
+    assert store.trajectories[graded.trajectory_id].traj.reward == graded.reward
+
+
 @pytest.mark.parametrize(
     ("query", "ids"),
     [

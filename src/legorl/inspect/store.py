@@ -169,6 +169,8 @@ class RunStore:
             if traj.reward is not None:
                 self._add_reward(traj.reward)
             return
+        if old is not None and traj.reward is None and old.traj.reward is not None:
+            return  # the graded record (a later stage) of this run was read first: keep it
         graded_now = traj.reward is not None and (old is None or old.traj.reward is None)
         if old is not None:
             old.traj, old.source, old.updates = traj, source, old.updates + 1
