@@ -1,0 +1,170 @@
+"""`fixtures/models/tiny-agent` and the transcripts it was supervised on
+(`fixtures/make_agent_model.py`).
+
+* The transcripts never show a held-out bug, and each one really fixes its bug.
+* Their token ids are exactly what the proxy records when the real `mini` harness runs those
+  turns in a real `local` sandbox: the engine there is `forced` (a fake shipping in the
+  package: it replays the transcript's completions, scored by a real forward pass), and
+  `verify` grades the result in a fresh sandbox.
+* The committed model is a small Qwen3 with the foundation tokenizer and a model card.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from legorl.align import align
+from legorl.engines import make_engine
+from legorl.protocols import Limits
+from legorl.records import Task, Trajectory, Turn, read_jsonl
+from legorl.rollout import Run, inprocess_proxy, run_one
+from legorl.sandbox import make_backend
+from legorl.verify import verify
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS = ROOT / "fixtures" / "tasks"
+AGENT = ROOT / "fixtures" / "models" / "tiny-agent"
+BASE = ROOT / "fixtures" / "models" / "tiny-qwen3"
+sys.path.insert(0, str(ROOT / "fixtures"))
+
+import make_agent_model as mam  # noqa: E402
+import make_tasks as mt  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def bugs() -> list[mam.Solved]:
+    solved, _ = mam.collect_bugs()
+    return solved
+
+
+def _tasks(split: str) -> list[Task]:
+    return list(read_jsonl(TASKS / f"{split}.jsonl", Task))
+
+
+def _changed_line(patch: str, sign: str) -> str:
+    return next(
+        ln[1:].strip()
+        for ln in patch.splitlines()
+        if ln.startswith(sign) and not ln.startswith(sign * 3)
+    )
+
+
+def test_transcripts_never_show_a_heldout_bug(bugs: list[mam.Solved]) -> None:
+    rng = random.Random(0)
+    renamed = [c for c in (mam.renamed(s, rng) for s in bugs) if c is not None]
+    shown = {(s.buggy_line.strip(), s.fixed_line.strip()) for s in bugs + renamed}
+    texts = {s.problem for s in bugs + renamed}
+    train_ids = {t.instance_id for t in _tasks("train")}
+    for task in _tasks("heldout"):
+        gold = (_changed_line(task.patch, "-"), _changed_line(task.patch, "+"))
+        assert gold not in shown, task.instance_id
+        assert task.problem_statement not in texts, task.instance_id
+    origins = {s.origin.removeprefix("task:") for s in bugs if s.origin.startswith("task:")}
+    assert origins and origins <= train_ids
+    assert {s.origin for s in bugs} >= {"synthetic"}
+    assert len(renamed) > len(bugs) // 2
+
+
+def test_every_transcript_fixes_its_bug(bugs: list[mam.Solved]) -> None:
+    sources = {m.name: mt._code(m.source) for m in mt.MODULES}
+    for s in bugs:
+        assert s.buggy_source.count(s.buggy_line) == 1, s
+        assert s.buggy_source.replace(s.buggy_line, s.fixed_line) == sources[s.module], s
+        (view, edit, submit) = mam.transcript(s)
+        assert s.buggy_line in view[2] and f"def {s.function}(" in view[2]
+        assert edit[1] == {
+            "path": f"/testbed/{s.module}.py",
+            "old": s.buggy_line,
+            "new": s.fixed_line,
+        }
+        assert submit[0] == "submit" and submit[2] is None
+
+
+def test_renamed_copies_stay_consistent(bugs: list[mam.Solved]) -> None:
+    rng = random.Random(1)
+    for s in bugs[:60]:
+        copy = mam.renamed(s, rng)
+        if copy is None:
+            continue
+        assert copy.module != s.module and f"`{copy.function}`" in copy.problem
+        assert copy.buggy_source.count(copy.buggy_line) == 1
+        assert copy.buggy_line in mam.function_view(copy.buggy_source, copy.function)
+        # the fix still changes exactly the one line
+        before = copy.buggy_source.splitlines()
+        after = copy.buggy_source.replace(copy.buggy_line, copy.fixed_line).splitlines()
+        assert sum(a != b for a, b in zip(before, after, strict=True)) == 1
+
+
+def test_transcript_tokens_are_what_the_proxy_records_in_a_real_run(
+    tmp_path: Path, bugs: list[mam.Solved]
+) -> None:
+    from legorl.proxy.tokens import ChatTokenizer
+
+    tok = ChatTokenizer(BASE)
+    by_id = {t.instance_id: t for t in _tasks("train")}
+    chosen = [s for s in bugs if s.origin.startswith("task:")][:2]
+    assert len(chosen) == 2
+
+    async def run(s: mam.Solved) -> Trajectory:
+        task = by_id[s.origin.removeprefix("task:")]
+        # forced: a fake engine shipping in the package, replaying the transcript's turns
+        script = [{"text": mam._call_text(name, args)} for name, args, _ in mam.transcript(s)]
+        engine = make_engine("forced", model_path=str(BASE), script=script)
+        try:
+            async with inprocess_proxy(BASE, engine, tmp_path / "turns") as (endpoint, _):
+                from legorl.harnesses import make_harness
+
+                traj = await run_one(
+                    Run(task=task, sample_index=0),
+                    harness=make_harness("mini", max_turns=4),
+                    backend=make_backend("local"),
+                    proxy=endpoint,
+                    tasks_dir=TASKS,
+                    model="tiny-agent",
+                    timeout=120,
+                    limits=Limits(wall_s=120),
+                    run_id="legorl-test-agent-model",
+                    refs_relative_to=tmp_path,
+                )
+            graded = [
+                g
+                async for g in verify(
+                    [traj],
+                    {task.instance_id: task},
+                    backend=make_backend("local"),
+                    tasks_dir=str(TASKS),
+                    run_id="legorl-test-agent-model",
+                    load_turns=lambda t: list(read_jsonl(tmp_path / t.turns_ref[0], Turn)),
+                )
+            ]
+            return graded[0]
+        finally:
+            await engine.close()
+
+    for s in chosen:
+        traj = asyncio.run(run(s))
+        assert traj.status == "ok", traj.evidence
+        assert traj.reward == 1.0, traj.verdict  # the transcript really solves the task
+        samples = list(align([traj], base_dir=tmp_path))
+        assert len(samples) == 1
+        ids, mask = mam.encode(tok, s)
+        assert tok.decode(samples[0].input_ids) == tok.decode(ids)
+        assert samples[0].input_ids == ids
+        assert [int(m) for m in samples[0].loss_mask] == mask
+
+
+def test_committed_model_is_small_qwen3_with_the_foundation_tokenizer() -> None:
+    config = json.loads((AGENT / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"]
+    size = sum(p.stat().st_size for p in AGENT.iterdir())
+    assert size < 25 * 2**20
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (AGENT / name).read_bytes() == (BASE / name).read_bytes(), name
+    card = (AGENT / "README.md").read_text()
+    assert "make_agent_model.py" in card and "held-out" in card
