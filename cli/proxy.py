@@ -101,12 +101,13 @@ def serve(
     ] = False,
 ) -> None:
     """Answer OpenAI Chat, Anthropic Messages and Responses calls from an engine."""
-    from legorl.proxy.server import ProxyServer
+    from legorl.proxy.server import ProxyServer, tune_gc_for_serving
 
     token = admin_token or os.environ.get("LEGORL_ADMIN_TOKEN") or secrets.token_hex(16)
     core = _build(
         model, engine, _engine_options(engine_opt, script), out, served_name, token, registered_only
     )
+    tune_gc_for_serving()
 
     async def main() -> None:
         server = ProxyServer(core, host, port)
@@ -151,8 +152,10 @@ def intercept(
 ) -> None:
     """Forward proxy (mitmproxy) that answers api.anthropic.com / api.openai.com itself."""
     from legorl.proxy.addon import run_intercept
+    from legorl.proxy.server import tune_gc_for_serving
 
     core = _build(model, engine, _engine_options(engine_opt, script), out, served_name, None, False)
+    tune_gc_for_serving()
     confdir = data_dir() / "mitmproxy"
     confdir.mkdir(parents=True, exist_ok=True)
     ca = confdir / "mitmproxy-ca-cert.pem"

@@ -216,8 +216,11 @@ def _serve_main(mode: str, delay: float, ready_fd: int) -> None:
         os.sched_setaffinity(0, {0})
 
     async def run() -> None:
+        from legorl.proxy.server import tune_gc_for_serving
+
         with tempfile.TemporaryDirectory(prefix="legorl-bench-turns-") as out:
             core = _make_core(delay, out)
+            tune_gc_for_serving()  # as `legorl proxy serve` / `intercept` do
             if mode == "direct":
                 from legorl.proxy.server import ProxyServer
 
