@@ -328,7 +328,7 @@ def test_config_validation_names_the_field(tmp_path: Path) -> None:
     with pytest.raises(LoopConfigError) as err:
         _config(tmp_path, train_overrides=["lr=1e-5"]).validate()  # and lr=1e-3 as --lr
     assert err.value.problem == "override 'lr=1e-5': --lr is given too"
-    assert _config(tmp_path).train_config(1).drop_zero_variance_groups is False
+    assert _config(tmp_path).train_config().drop_zero_variance_groups is False
 
 
 def _traj(tid: str, group: str, reward: float | None, status: str = "ok") -> Trajectory:

@@ -142,10 +142,10 @@ class LoopConfig:
                 raise LoopConfigError(
                     "tasks_dir", f"{Path(self.tasks_dir) / f'{split}.jsonl'}: no such task file"
                 )
-        self.train_config(1)
+        self.train_config()
 
-    def train_config(self, iteration: int) -> TrainConfig:
-        """The trainer's config for ``iteration``: its defaults, the overrides, then the loop's
+    def train_config(self) -> TrainConfig:
+        """The trainer's config for every iteration: its defaults, the overrides, then the loop's
         own settings (steps, temperature, ``lr`` and ``algorithm`` when given)."""
         for text in self.train_overrides:
             try:
@@ -760,7 +760,7 @@ class _Runner:
             self.log(f"iteration {k}: align skipped {len(stats.errors)}: {stats.errors[0]}")
 
         t2 = time.monotonic()
-        cfg = c.train_config(k)
+        cfg = c.train_config()
         signal = groups_with_signal(graded)
         # Zero-variance groups carry no gradient: training them is only useful when the config
         # keeps them (or brings its own advantages).
