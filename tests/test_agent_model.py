@@ -21,6 +21,7 @@ import pytest
 
 from legorl.align import align
 from legorl.engines import make_engine
+from legorl.harnesses import make_harness
 from legorl.protocols import Limits
 from legorl.records import Task, Trajectory, Turn, read_jsonl
 from legorl.rollout import Run, inprocess_proxy, run_one
@@ -118,8 +119,6 @@ def test_transcript_tokens_are_what_the_proxy_records_in_a_real_run(
         engine = make_engine("forced", model_path=str(BASE), script=script)
         try:
             async with inprocess_proxy(BASE, engine, tmp_path / "turns") as (endpoint, _):
-                from legorl.harnesses import make_harness
-
                 traj = await run_one(
                     Run(task=task, sample_index=0),
                     harness=make_harness("mini", max_turns=4),
@@ -154,7 +153,7 @@ def test_transcript_tokens_are_what_the_proxy_records_in_a_real_run(
         samples = list(align([traj], base_dir=tmp_path))
         assert len(samples) == 1
         ids, mask = mam.encode(tok, s)
-        assert tok.decode(samples[0].input_ids) == tok.decode(ids)
+        assert tok.decode(samples[0].input_ids) == tok.decode(ids)  # a readable diff first
         assert samples[0].input_ids == ids
         assert [int(m) for m in samples[0].loss_mask] == mask
 
