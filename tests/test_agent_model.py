@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import sys
 from pathlib import Path
@@ -23,6 +24,7 @@ from legorl.align import align
 from legorl.engines import make_engine
 from legorl.harnesses import make_harness
 from legorl.protocols import Limits
+from legorl.proxy.tokens import ChatTokenizer
 from legorl.records import Task, Trajectory, Turn, read_jsonl
 from legorl.rollout import Run, inprocess_proxy, run_one
 from legorl.sandbox import make_backend
@@ -87,10 +89,12 @@ def test_every_transcript_fixes_its_bug(bugs: list[mam.Solved]) -> None:
         assert submit[0] == "submit" and submit[2] is None
 
 
-def test_renamed_copies_stay_consistent(bugs: list[mam.Solved]) -> None:
+@pytest.mark.parametrize("random_names", [False, True])
+def test_renamed_copies_stay_consistent(bugs: list[mam.Solved], random_names: bool) -> None:
     rng = random.Random(1)
+    pool = mam.word_pieces() if random_names else None
     for s in bugs[:60]:
-        copy = mam.renamed(s, rng)
+        copy = mam.renamed(s, rng, pool)
         if copy is None:
             continue
         assert copy.module != s.module and f"`{copy.function}`" in copy.problem
@@ -105,8 +109,6 @@ def test_renamed_copies_stay_consistent(bugs: list[mam.Solved]) -> None:
 def test_transcript_tokens_are_what_the_proxy_records_in_a_real_run(
     tmp_path: Path, bugs: list[mam.Solved]
 ) -> None:
-    from legorl.proxy.tokens import ChatTokenizer
-
     tok = ChatTokenizer(BASE)
     by_id = {t.instance_id: t for t in _tasks("train")}
     chosen = [s for s in bugs if s.origin.startswith("task:")][:2]
@@ -156,6 +158,58 @@ def test_transcript_tokens_are_what_the_proxy_records_in_a_real_run(
         assert tok.decode(samples[0].input_ids) == tok.decode(ids)  # a readable diff first
         assert samples[0].input_ids == ids
         assert [int(m) for m in samples[0].loss_mask] == mask
+
+
+def test_heldout_transcripts_fix_heldout_tasks_and_the_data_file_round_trips() -> None:
+    heldout, total = mam.heldout_solved()
+    ids = {t.instance_id: t for t in _tasks("heldout")}
+    assert total == len(ids) and 0 < len(heldout) <= total
+    for s in heldout:
+        task = ids[s.origin.removeprefix("heldout:")]
+        assert _changed_line(task.patch, "-") == s.buggy_line.strip()
+        assert _changed_line(task.patch, "+") == s.fixed_line.strip()
+    tok = ChatTokenizer(BASE)
+    seqs = [mam.encode(tok, s) for s in heldout[:3]]
+    assert mam.unpack(mam.pack(seqs)) == seqs
+    # the system turn is stored once, and it carries no loss
+    prefix = mam._shared_prefix(seqs)
+    assert prefix > 100 and not any(m[:prefix].count(1) for _, m in seqs)
+
+
+def test_gold_scores_come_from_a_real_forward_pass() -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(BASE).eval()
+    tok = ChatTokenizer(BASE)
+    (s,) = mam.heldout_solved()[0][:1]
+    ids, mask = mam.encode(tok, s)
+    turns = [k for k in range(1, len(ids)) if mask[k] and not mask[k - 1]]
+    # a second sequence whose bash and edit turns are the model's own greedy choice
+    greedy_ids = list(ids)
+    with torch.no_grad():
+        for start in turns[:2]:
+            end = start
+            while mask[end]:
+                end += 1
+            for k in range(start, end):
+                logits = model(input_ids=torch.tensor([greedy_ids[:k]])).logits
+                greedy_ids[k] = int(logits[0, -1].argmax())
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1], -1)
+    by_turn = []
+    for start in turns:
+        end = start
+        while end < len(ids) and mask[end]:
+            end += 1
+        by_turn.append(sum(float(logp[k - 1, ids[k]]) for k in range(start, end)))
+    scores = mam.gold_scores(model, [(ids, mask)], "cpu")
+    assert scores["p_view"] == pytest.approx(math.exp(by_turn[0]), rel=1e-3)
+    assert scores["p_edit"] == pytest.approx(math.exp(by_turn[1]), rel=1e-3)
+    assert scores["p_all"] == pytest.approx(math.exp(sum(by_turn)), rel=1e-3)
+    assert scores["greedy"] == 0.0  # a random model does not write the transcript
+    own = mam.gold_scores(model, [(greedy_ids[: turns[2]] + ids[turns[2] :], mask)], "cpu")
+    assert own["p_view"] > scores["p_view"] and own["p_edit"] > scores["p_edit"]
 
 
 def test_committed_model_is_small_qwen3_with_the_foundation_tokenizer() -> None:
