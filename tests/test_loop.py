@@ -25,6 +25,7 @@ import pytest
 from conftest import ROOT
 
 from legorl.loop import (
+    LOOP_LR,
     EvalResult,
     IterationResult,
     LoopConfig,
@@ -329,6 +330,12 @@ def test_config_validation_names_the_field(tmp_path: Path) -> None:
         _config(tmp_path, train_overrides=["lr=1e-5"]).validate()  # and lr=1e-3 as --lr
     assert err.value.problem == "override 'lr=1e-5': --lr is given too"
     assert _config(tmp_path).train_config().drop_zero_variance_groups is False
+
+
+def test_learning_rate_comes_from_the_flag_an_override_or_the_loop() -> None:
+    assert LoopConfig().train_config().lr == LOOP_LR  # not the trainer's own default
+    assert LoopConfig(lr=3e-4).train_config().lr == 3e-4
+    assert LoopConfig(train_overrides=["lr=2e-6"]).train_config().lr == 2e-6
 
 
 def _traj(tid: str, group: str, reward: float | None, status: str = "ok") -> Trajectory:

@@ -85,6 +85,12 @@ class LoopError(RuntimeError):
     """A stage failed in a way the loop cannot go on from; the message says which."""
 
 
+# The learning rate when none is given. Measured with tiny-agent on the default sizes: 1e-5 at
+# one step per iteration ran four iterations without a clip alert; 1e-4 at two steps per
+# iteration clipped 83-92 % of the samples on every iteration's second step.
+LOOP_LR = 1e-5
+
+
 @dataclass(kw_only=True)
 class LoopConfig:
     model: Path = Path("fixtures/models/tiny-agent")
@@ -102,7 +108,7 @@ class LoopConfig:
     temperature: float = 1.0  # sampling, and the trainer's log-prob temperature
     seed: int = 0  # task shuffle; evaluation seeds are seed + sample index
     steps_per_iteration: int = 1
-    lr: float | None = None  # None: the trainer's default
+    lr: float | None = None  # None: an ``lr=`` override, else LOOP_LR
     algorithm: str | None = None  # None: the trainer's default
     train_overrides: list[str] = field(default_factory=list)  # TrainConfig key=value
     timeout: float = 300.0  # seconds per harness run
@@ -146,7 +152,10 @@ class LoopConfig:
 
     def train_config(self) -> TrainConfig:
         """The trainer's config for every iteration: its defaults, the overrides, then the loop's
-        own settings (steps, temperature, ``lr`` and ``algorithm`` when given)."""
+        own settings (steps, temperature, ``lr`` and ``algorithm`` when given). With neither
+        ``lr`` nor an ``lr=`` override the loop uses ``LOOP_LR``, not the trainer's 1e-6 (sized
+        for large models: it barely moves a small one)."""
+        overridden: set[str] = set()
         for text in self.train_overrides:
             try:
                 key, _ = parse_override(text)
@@ -159,13 +168,14 @@ class LoopConfig:
                 )
             if key in ("lr", "algorithm") and getattr(self, key) is not None:
                 raise LoopConfigError("train", f"override {text!r}: --{key} is given too")
+            overridden.add(key)
         try:
             return build_config(
                 None,
                 self.train_overrides,
                 steps=self.steps_per_iteration,
                 temperature=self.temperature,
-                lr=self.lr,
+                lr=self.lr if self.lr is not None or "lr" in overridden else LOOP_LR,
                 algorithm=self.algorithm,
             )
         except ConfigError as exc:
