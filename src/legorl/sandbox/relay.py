@@ -30,6 +30,10 @@ _loop: asyncio.AbstractEventLoop | None = None
 _loop_guard = threading.Lock()
 
 
+_live: set[asyncio.Task[None]] = set()  # connections being relayed
+_GRACE = 30.0  # seconds the other direction may go on after one has ended
+
+
 def _hub() -> asyncio.AbstractEventLoop:
     global _loop
     with _loop_guard:
@@ -102,10 +106,28 @@ def open_relay(socket_path: Path, proxy_url: str) -> Relay:
         except OSError:
             writer.close()
             return
-        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
-        for w in (writer, up_writer):
-            with contextlib.suppress(Exception):
-                w.close()
+        # The loop keeps only weak references to tasks: hold this connection's until it ends,
+        # or a collected pending task is all that is left of it.
+        me = asyncio.current_task()
+        if me is not None:
+            _live.add(me)
+        pipes = {
+            asyncio.ensure_future(_pipe(reader, up_writer)),
+            asyncio.ensure_future(_pipe(up_reader, writer)),
+        }
+        try:
+            # once one side is done, the other gets a grace period to finish what it was sending
+            _, pending = await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
+            if pending:
+                await asyncio.wait(pending, timeout=_GRACE)
+        finally:
+            for w in (writer, up_writer):
+                with contextlib.suppress(Exception):
+                    w.close()
+            for task in pipes:
+                task.cancel()
+            if me is not None:
+                _live.discard(me)
 
     async def _start() -> asyncio.AbstractServer:
         with contextlib.suppress(FileNotFoundError):
