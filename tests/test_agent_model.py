@@ -16,6 +16,7 @@ import json
 import math
 import random
 import sys
+from itertools import groupby
 from pathlib import Path
 
 import pytest
@@ -184,31 +185,24 @@ def test_gold_scores_come_from_a_real_forward_pass() -> None:
     tok = ChatTokenizer(BASE)
     (s,) = mam.heldout_solved()[0][:1]
     ids, mask = mam.encode(tok, s)
-    turns = [k for k in range(1, len(ids)) if mask[k] and not mask[k - 1]]
+    # each completion's [start, end) positions: the runs of loss-mask 1
+    runs = [list(r) for keep, r in groupby(range(len(ids)), key=mask.__getitem__) if keep]
+    spans = [(r[0], r[-1] + 1) for r in runs]
     # a second sequence whose bash and edit turns are the model's own greedy choice
     greedy_ids = list(ids)
     with torch.no_grad():
-        for start in turns[:2]:
-            end = start
-            while mask[end]:
-                end += 1
+        for start, end in spans[:2]:
             for k in range(start, end):
                 logits = model(input_ids=torch.tensor([greedy_ids[:k]])).logits
                 greedy_ids[k] = int(logits[0, -1].argmax())
-    with torch.no_grad():
         logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1], -1)
-    by_turn = []
-    for start in turns:
-        end = start
-        while end < len(ids) and mask[end]:
-            end += 1
-        by_turn.append(sum(float(logp[k - 1, ids[k]]) for k in range(start, end)))
+    by_turn = [sum(float(logp[k - 1, ids[k]]) for k in range(a, b)) for a, b in spans]
     scores = mam.gold_scores(model, [(ids, mask)], "cpu")
     assert scores["p_view"] == pytest.approx(math.exp(by_turn[0]), rel=1e-3)
     assert scores["p_edit"] == pytest.approx(math.exp(by_turn[1]), rel=1e-3)
     assert scores["p_all"] == pytest.approx(math.exp(sum(by_turn)), rel=1e-3)
     assert scores["greedy"] == 0.0  # a random model does not write the transcript
-    own = mam.gold_scores(model, [(greedy_ids[: turns[2]] + ids[turns[2] :], mask)], "cpu")
+    own = mam.gold_scores(model, [(greedy_ids, mask)], "cpu")
     assert own["p_view"] > scores["p_view"] and own["p_edit"] > scores["p_edit"]
 
 
