@@ -146,6 +146,16 @@ def test_inspect_reads_a_loop_folder(one_iteration: tuple[Path, LoopResult, list
     assert result.returncode == 0, result.stderr[-2000:]
     assert "trajector" in result.stdout.lower(), result.stdout[:2000]
     assert "reward_mean" in result.stdout or "heldout_success" in result.stdout
+    # Every run is its own row: the evaluations before and after run the same tasks with the
+    # same seeds, and their ids still differ (2 + 2 held-out runs, 4 train runs).
+    assert "trajectories (8)" in result.stdout, result.stdout[:2000]
+    ids = {
+        folder: {t.trajectory_id for t in read_jsonl(out / folder / "graded.jsonl", Trajectory)}
+        for folder in ("eval-before", "eval-after", "iter-001")
+    }
+    assert all(i.startswith("eval000-") for i in ids["eval-before"])
+    assert all(i.startswith("eval001-") for i in ids["eval-after"])
+    assert all(i.startswith("it001-") for i in ids["iter-001"])
 
 
 def test_more_iterations_continue_a_finished_loop_without_redoing_it(

@@ -723,7 +723,11 @@ class _Runner:
                 temperature=c.temperature,
                 seed=c.seed + k,
             )
-            runs = [r for r in plan_runs(tasks, c.eval_samples, None, set()) if r.sample_index == k]
+            runs = [
+                r
+                for r in plan_runs(tasks, c.eval_samples, None, set(), prefix=f"eval{step:03d}-")
+                if r.sample_index == k
+            ]
             batches.append((harness, runs))
         graded, _ = await self._rollout_and_grade(folder.name, folder, batches)
         result = _eval_result(step, version, graded, time.monotonic() - t0)
@@ -758,7 +762,7 @@ class _Runner:
         harness = make_harness(
             "mini", max_turns=c.max_turns, max_tokens=c.max_tokens, temperature=c.temperature
         )
-        runs = plan_runs(tasks, c.group_size, None, set())
+        runs = plan_runs(tasks, c.group_size, None, set(), prefix=f"it{k:03d}-")
         graded, phases = await self._rollout_and_grade(f"iteration {k}", folder, [(harness, runs)])
 
         t1 = time.monotonic()

@@ -31,18 +31,27 @@ from legorl.records import TokenCounts, Trajectory, Turn, read_jsonl
 class Run:
     task: Any  # records.Task
     sample_index: int
+    # Put before the id where several rollouts of the same tasks are read together (the loop's
+    # iterations and evaluations): letters, digits, ``.``, ``_`` and ``-``, as session ids.
+    prefix: str = ""
 
     @property
     def trajectory_id(self) -> str:
-        return f"{self.task.instance_id}.{self.sample_index}"
+        return f"{self.prefix}{self.task.instance_id}.{self.sample_index}"
 
 
 def plan_runs(
-    tasks: Iterable[Any], group_size: int, limit: int | None, done: set[str]
+    tasks: Iterable[Any],
+    group_size: int,
+    limit: int | None,
+    done: set[str],
+    *,
+    prefix: str = "",
 ) -> list[Run]:
-    """Tasks × group_size runs, the first ``limit`` tasks only, minus those already done."""
+    """Tasks × group_size runs, the first ``limit`` tasks only, minus those already done;
+    ``prefix`` goes before every trajectory id."""
     chosen = list(tasks)[:limit] if limit is not None else list(tasks)
-    runs = [Run(task=t, sample_index=k) for t in chosen for k in range(group_size)]
+    runs = [Run(task=t, sample_index=k, prefix=prefix) for t in chosen for k in range(group_size)]
     return [r for r in runs if r.trajectory_id not in done]
 
 
