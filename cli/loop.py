@@ -57,7 +57,7 @@ def loop(
     seed: Annotated[int, typer.Option(help="Task shuffle; eval seeds are SEED + sample.")] = 0,
     steps_per_iteration: Annotated[int, typer.Option(help="Optimizer steps per iteration.")] = 1,
     lr: Annotated[
-        float | None, typer.Option(help="Learning rate (default: 1e-5, or an lr= override).")
+        float | None, typer.Option(help="Learning rate (default: 1e-4, or an lr= override).")
     ] = None,
     algorithm: Annotated[
         str | None, typer.Option(help="gspo | grpo | drgrpo (default: the trainer's).")
