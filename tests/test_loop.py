@@ -153,6 +153,7 @@ def test_inspect_reads_a_loop_folder(one_iteration: tuple[Path, LoopResult, list
         folder: {t.trajectory_id for t in read_jsonl(out / folder / "graded.jsonl", Trajectory)}
         for folder in ("eval-before", "eval-after", "iter-001")
     }
+    assert [len(ids[f]) for f in ("eval-before", "eval-after", "iter-001")] == [2, 2, 4]
     assert all(i.startswith("eval000-") for i in ids["eval-before"])
     assert all(i.startswith("eval001-") for i in ids["eval-after"])
     assert all(i.startswith("it001-") for i in ids["iter-001"])
