@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -347,6 +348,15 @@ def test_learning_rate_comes_from_the_flag_an_override_or_the_loop() -> None:
     assert LoopConfig().train_config().lr == LOOP_LR  # not the trainer's own default
     assert LoopConfig(lr=3e-4).train_config().lr == 3e-4
     assert LoopConfig(train_overrides=["lr=2e-6"]).train_config().lr == 2e-6
+    # The CLI states the default without importing the loop (start-up stays light): it must
+    # say the loop's own number.
+    import typing
+
+    from legorl.cli import loop as cli_loop
+
+    (option,) = typing.get_type_hints(cli_loop.loop, include_extras=True)["lr"].__metadata__
+    stated = re.search(r"default: ([0-9.e+-]+)", option.help)
+    assert stated is not None and float(stated.group(1)) == LOOP_LR, option.help
 
 
 def _traj(tid: str, group: str, reward: float | None, status: str = "ok") -> Trajectory:
