@@ -107,6 +107,40 @@ def test_renamed_copies_stay_consistent(bugs: list[mam.Solved], random_names: bo
         assert sum(a != b for a, b in zip(before, after, strict=True)) == 1
 
 
+def _shown_call(problem: str) -> str:
+    """The reproduction's last line, as the issue shows it."""
+    return [ln[4:] for ln in problem.splitlines() if ln.startswith(">>> ")][-1]
+
+
+def test_procedural_bugs_are_real_fresh_and_never_a_heldout_fix() -> None:
+    pool = mam.word_pieces()
+    generated = mam.procedural_bugs(140, 5, pool=pool)
+    again = mam.procedural_bugs(140, 5, pool=pool)
+    assert generated == again  # the same seed, the same bugs
+    families = {f: sum(s.family == f for s in generated) for f in mam.FAMILIES}
+    assert families == {f: 20 for f in mam.FAMILIES}
+    toy = mam.toy_names()
+    heldout_fixes = {
+        (_changed_line(t.patch, "-"), _changed_line(t.patch, "+")) for t in _tasks("heldout")
+    }
+    for s in generated:
+        assert s.origin == "procedural" and s.module not in toy and s.function not in toy
+        assert (s.buggy_line.strip(), s.fixed_line.strip()) not in heldout_fixes
+        assert s.buggy_source.count(s.buggy_line) == 1
+        assert s.buggy_line in mam.function_view(s.buggy_source, s.function)
+        fixed = s.buggy_source.replace(s.buggy_line, s.fixed_line)
+        call = _shown_call(s.problem)
+        assert call.startswith(f"{s.function}(") and f">>> from {s.module} import " in s.problem
+        # the issue's call really shows the bug: the buggy module gives what the issue says
+        # it gives, the fixed one what the issue expects
+        got = mt.outcome(mt.load(s.module, s.buggy_source), [s.function], call)
+        want = mt.outcome(mt.load(s.module, fixed), [s.function], call)
+        assert got != want and not want[1]
+        said = (f"Expected: `{want[0]}`\nActual: `{got[0]}`", f"I expected `{want[0]}`, but")
+        assert any(text in s.problem for text in said), s.problem
+    assert len({s.function for s in generated}) > 100  # fresh names, not a short list
+
+
 def test_transcript_tokens_are_what_the_proxy_records_in_a_real_run(
     tmp_path: Path, bugs: list[mam.Solved]
 ) -> None:
@@ -204,6 +238,41 @@ def test_gold_scores_come_from_a_real_forward_pass() -> None:
     assert scores["greedy"] == 0.0  # a random model does not write the transcript
     own = mam.gold_scores(model, [(greedy_ids, mask)], "cpu")
     assert own["p_view"] > scores["p_view"] and own["p_edit"] > scores["p_edit"]
+
+
+def test_cached_system_turn_gives_the_same_logits_and_training_goes_on_from_weights() -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = ChatTokenizer(BASE)
+    seqs = [mam.encode(tok, s) for s in mam.procedural_bugs(3, 1)]
+    prefix = mam._shared_prefix(seqs)
+    ids, _, _ = mam._padded(seqs, prefix, 0.25, "cpu")
+    model = AutoModelForCausalLM.from_pretrained(AGENT).eval()
+    with torch.no_grad():
+        full = model(input_ids=ids).logits[:, prefix:]
+        cached = mam._after_prefix(model, ids, prefix)
+    assert cached.shape == full.shape
+    assert torch.allclose(cached, full, atol=1e-4)
+    # two fine-tuning steps from the committed weights, half the rows procedural
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    tuned, steps = mam.train(
+        seqs[:2],
+        steps=2,
+        batch=2,
+        lr=1e-3,
+        seed=0,
+        init=AGENT,
+        extra=seqs[2:],
+        mix=0.5,
+        cache_prefix=True,
+        copy_steps=0,
+        copy_rows=0,
+        log_every=1,
+    )
+    assert steps == 2 and tuned.config.hidden_size == model.config.hidden_size
+    after = tuned.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
 def test_committed_model_is_small_qwen3_with_the_foundation_tokenizer() -> None:
