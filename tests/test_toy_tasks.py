@@ -1,4 +1,5 @@
-"""The toy task set in fixtures/tasks/: reproducible, well formed, and every task is solvable.
+"""The toy task sets, fixtures/tasks/ (hand-written modules) and fixtures/tasks-generated/
+(generated ones): reproducible, well formed, and every task is solvable.
 
 Rebuilds the set into a temporary folder and compares the JSONL bytes, checks counts and the
 train/heldout split, then materialises every task from its bundle with ``legorl.tasks``: after
@@ -27,6 +28,11 @@ from legorl.tasks import PatchError, TaskError, apply_patch, checkout
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS_DIR = ROOT / "fixtures" / "tasks"
+# suite folder -> the script that builds it
+SUITES = {
+    "tasks": "make_tasks.py",
+    "tasks-generated": "make_generated_tasks.py",
+}
 SPLITS = ("train", "heldout")
 FAMILIES = {
     "wrong_operator",
@@ -39,9 +45,14 @@ FAMILIES = {
 }
 
 
+@pytest.fixture(scope="module", params=sorted(SUITES))
+def suite(request: pytest.FixtureRequest) -> Path:
+    return ROOT / "fixtures" / str(request.param)
+
+
 @pytest.fixture(scope="module")
-def tasks() -> dict[str, list[Task]]:
-    return {split: list(read_jsonl(TASKS_DIR / f"{split}.jsonl", Task)) for split in SPLITS}
+def tasks(suite: Path) -> dict[str, list[Task]]:
+    return {split: list(read_jsonl(suite / f"{split}.jsonl", Task)) for split in SPLITS}
 
 
 def _all(tasks: dict[str, list[Task]]) -> list[Task]:
@@ -49,8 +60,8 @@ def _all(tasks: dict[str, list[Task]]) -> list[Task]:
 
 
 @pytest.mark.slow
-def test_generator_reproduces_the_committed_jsonl(tmp_path: Path) -> None:
-    script = ROOT / "fixtures" / "make_tasks.py"
+def test_generator_reproduces_the_committed_jsonl(suite: Path, tmp_path: Path) -> None:
+    script = ROOT / "fixtures" / SUITES[suite.name]
     proc = subprocess.run(
         [sys.executable, str(script), "--out", str(tmp_path)],
         capture_output=True,
@@ -61,8 +72,9 @@ def test_generator_reproduces_the_committed_jsonl(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     for split in SPLITS:
         name = f"{split}.jsonl"
-        assert (tmp_path / name).read_bytes() == (TASKS_DIR / name).read_bytes(), (
-            f"{name} differs from the committed one; rebuild with python fixtures/make_tasks.py"
+        assert (tmp_path / name).read_bytes() == (suite / name).read_bytes(), (
+            f"{suite.name}/{name} differs from the committed one; rebuild it with"
+            f" python fixtures/{script.name}"
         )
 
 
@@ -87,7 +99,7 @@ def _patched_files(patch: str) -> list[str]:
     return re.findall(r"^diff --git a/(\S+) b/", patch, flags=re.MULTILINE)
 
 
-def test_records_are_well_formed(tasks: dict[str, list[Task]]) -> None:
+def test_records_are_well_formed(suite: Path, tasks: dict[str, list[Task]]) -> None:
     problems = []
     for task in _all(tasks):
         iid, module = task.instance_id, task.meta["module"]
@@ -105,7 +117,7 @@ def test_records_are_well_formed(tasks: dict[str, list[Task]]) -> None:
             "test_patch": _patched_files(task.test_patch)
             and all(path.startswith("tests/") for path in _patched_files(task.test_patch)),
             "test_cmd": task.test_cmd == f"python -m pytest -rA -p no:cacheprovider {test_file}",
-            "source": task.source == f"repos/{iid}.bundle" and (TASKS_DIR / task.source).is_file(),
+            "source": task.source == f"repos/{iid}.bundle" and (suite / task.source).is_file(),
             "meta": task.meta["family"] in FAMILIES and task.meta["file"] == f"{module}.py",
             "misc": task.version == "0.1" and task.hints_text == "" and task.image is None,
         }
@@ -168,10 +180,10 @@ def _added_lines(patch: str) -> list[str]:
     ]
 
 
-def _check_task(task: Task, work: Path) -> list[str]:
+def _check_task(task: Task, suite: Path, work: Path) -> list[str]:
     iid = task.instance_id
     try:
-        repo = checkout(task, TASKS_DIR, work / iid)
+        repo = checkout(task, suite, work / iid)
         head = subprocess.run(
             ["git", "rev-parse", "HEAD", "--abbrev-ref", "HEAD"],
             cwd=repo,
@@ -221,10 +233,10 @@ def _check_task(task: Task, work: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_every_task_fails_before_and_passes_after_the_gold_patch(
-    tasks: dict[str, list[Task]], tmp_path: Path
+    suite: Path, tasks: dict[str, list[Task]], tmp_path: Path
 ) -> None:
     workers = min(4, max(2, os.cpu_count() or 2))
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        results = pool.map(lambda task: _check_task(task, tmp_path), _all(tasks))
+        results = pool.map(lambda task: _check_task(task, suite, tmp_path), _all(tasks))
         problems = [problem for result in results for problem in result]
     assert not problems, f"{len(problems)} problem(s):\n" + "\n".join(problems)
