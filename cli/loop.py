@@ -1,7 +1,7 @@
 """`legorl loop`: K iterations of rollout → verify → align → train with the embedded engine, the
 weights reloaded into the in-process proxy after each step; held-out evaluation before and after.
 
-    legorl loop --model fixtures/models/tiny-agent --tasks-dir fixtures/tasks --out runs/loop
+    legorl loop --model fixtures/models/tiny-agent --tasks-dir fixtures/tasks-generated --out runs/loop
     legorl loop --iterations 8 --group-size 8 --lr 1e-5 kl_coef=0.01 correction=seq_mask
 
 Re-running the same command with the same --out continues an interrupted loop; a finished one
@@ -34,11 +34,11 @@ def loop(
     ] = Path("fixtures/models/tiny-agent"),
     tasks_dir: Annotated[
         Path, typer.Option(help="Folder with train.jsonl and heldout.jsonl.")
-    ] = Path("fixtures/tasks"),
+    ] = Path("fixtures/tasks-generated"),
     out: Annotated[
         Path, typer.Option("--out", "-o", help="Run folder (re-use it to continue).")
     ] = Path("runs/loop"),
-    iterations: Annotated[int, typer.Option(help="Training iterations.")] = 4,
+    iterations: Annotated[int, typer.Option(help="Training iterations.")] = 7,
     group_size: Annotated[int, typer.Option("--group-size", "-g", help="Samples per task.")] = 4,
     tasks_per_iteration: Annotated[
         int, typer.Option(help="Train tasks per iteration (round-robin, seeded shuffle).")

@@ -359,6 +359,26 @@ def test_learning_rate_comes_from_the_flag_an_override_or_the_loop() -> None:
     assert stated is not None and float(stated.group(1)) == LOOP_LR, option.help
 
 
+def test_the_cli_defaults_are_the_loop_config_defaults() -> None:
+    # The CLI repeats LoopConfig's defaults (it does not import the loop at start-up); a demo
+    # run with no flags must be the configuration the README measures.
+    import inspect
+
+    from legorl.cli import loop as cli_loop
+
+    params = inspect.signature(cli_loop.loop).parameters
+    config = LoopConfig()
+    compared = 0
+    for name, param in params.items():
+        if name in {"overrides", "lr", "algorithm"} or not hasattr(config, name):
+            continue
+        want = getattr(config, name)
+        got = param.default
+        assert (Path(got) if isinstance(want, Path) else got) == want, name
+        compared += 1
+    assert compared >= 15, compared
+
+
 def _traj(tid: str, group: str, reward: float | None, status: str = "ok") -> Trajectory:
     return Trajectory(
         trajectory_id=tid,
