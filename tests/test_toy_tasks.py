@@ -78,6 +78,20 @@ def test_generator_reproduces_the_committed_jsonl(suite: Path, tmp_path: Path) -
         )
 
 
+def test_generated_suite_builder_refuses_a_count_below_one_held_out_task(tmp_path: Path) -> None:
+    script = ROOT / "fixtures" / "make_generated_tasks.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--out", str(tmp_path / "out"), "--count", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "make_generated_tasks: --count must be at least 5"
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
 def test_counts_families_and_split(tasks: dict[str, list[Task]]) -> None:
     everything = _all(tasks)
     assert len(everything) >= 90
