@@ -55,6 +55,7 @@ def test_unknown_keys_are_named(tmp_path: Path) -> None:
         ("train_aux=maybe", "train_aux: expected true or false"),
         ("gspo_clip_low=1.5", "gspo_clip_low: must be in (0, 1)"),
         ("seq_mask_low=1.2", "seq_mask_low, seq_mask_high"),
+        ("negative_advantage_scale=-0.5", "negative_advantage_scale: must be in [0, 1]"),
         ("lr", "expected key=value"),
     ],
 )

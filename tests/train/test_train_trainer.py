@@ -139,6 +139,26 @@ def test_dry_run_computes_metrics_and_changes_nothing(samples) -> None:
     assert {m.name for m in result.metrics} >= REQUIRED
 
 
+def test_negative_advantage_scale_scales_only_the_negative_advantages(
+    samples, tmp_path: Path
+) -> None:
+    # episode k of each group has reward (k % 2) + its group's offset: GRPO advantages ∓√3/2;
+    # scaled by 0.5 below zero they are -√3/4 and +√3/2, given here by hand as per-sample
+    # advantages for the same update
+    scaled = run(samples, tmp_path / "scaled", negative_advantage_scale=0.5, **LINEAR)
+    a = math.sqrt(3) / 2
+    by_hand = [
+        dataclasses.replace(s, advantage=a if int(s.episode_id[-1]) % 2 else -a / 2)
+        for s in samples
+    ]
+    given = run(by_hand, tmp_path / "given", advantage="sample", **LINEAR)
+    full = run(samples, tmp_path / "full", **LINEAR)
+    assert values(scaled, "updated") == values(given, "updated") == values(full, "updated") == [1.0]
+    assert max_diff(load_weights(tmp_path / "scaled"), load_weights(tmp_path / "given")) < 1e-6
+    moved = max_diff(load_weights(tmp_path / "full"), load_weights(MODEL))
+    assert max_diff(load_weights(tmp_path / "scaled"), load_weights(tmp_path / "full")) > moved / 10
+
+
 def test_equal_rewards_give_no_gradient_and_are_counted(samples, tmp_path: Path) -> None:
     flat = [dataclasses.replace(s, reward=1.0) for s in samples]
     result = run(flat, tmp_path / "z", lr=1.0)

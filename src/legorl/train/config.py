@@ -35,6 +35,9 @@ class TrainConfig:
     # sample: use Sample.advantage as given (every sample must carry one)
     advantage: AdvantageMode = "auto"
     adv_eps: float = 1e-6  # std guard: A = (r - mean) / (std + adv_eps)
+    # group advantages below 0 are multiplied by this: 1 = the algorithm's own, 0 = only the
+    # group's better-than-average episodes are pushed up (nothing is pushed down)
+    negative_advantage_scale: float = 1.0
     gspo_clip_low: float = 3e-4  # sequence ratio clipped to [1 - low, 1 + high]
     gspo_clip_high: float = 4e-4
     ppo_clip_low: float = 0.2  # token ratio clip for grpo and drgrpo
@@ -105,6 +108,10 @@ class TrainConfig:
         for name in ["gspo_clip_low", "gspo_clip_high", "ppo_clip_low", "ppo_clip_high"]:
             if not 0 < getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be in (0, 1), got {getattr(self, name)}")
+        if not 0 <= self.negative_advantage_scale <= 1:
+            raise ConfigError(
+                f"negative_advantage_scale: must be in [0, 1], got {self.negative_advantage_scale}"
+            )
         for name in ["adam_beta1", "adam_beta2"]:
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be in [0, 1), got {getattr(self, name)}")

@@ -193,6 +193,10 @@ def prepare_batch(
             reward, group_t, mode=config.advantage_mode, eps=config.adv_eps, n_groups=G
         )
         advantage, zero_var = adv.advantage, adv.zero_variance
+        if config.negative_advantage_scale != 1.0:
+            advantage = torch.where(
+                advantage < 0, advantage * config.negative_advantage_scale, advantage
+            )
         drop = config.drop_zero_variance_groups and not keep_zero_variance
         trainable = [e for e in range(E) if not (drop and bool(zero_var[ep_group[e]]))]
     else:
