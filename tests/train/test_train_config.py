@@ -65,6 +65,11 @@ def test_bad_values_are_rejected_with_the_key(override: str, message: str) -> No
     assert message in str(info.value)
 
 
+def test_negative_advantage_scale_needs_group_advantages() -> None:
+    with pytest.raises(ConfigError, match="negative_advantage_scale: scales group advantages"):
+        build_config(overrides=["advantage=sample", "negative_advantage_scale=0.5"])
+
+
 def test_resolved_config_reloads(tmp_path: Path) -> None:
     c = build_config(overrides=["algorithm=drgrpo", "lr=2e-6", "micro_batch_tokens=4096"])
     path = tmp_path / "train_config.yaml"

@@ -112,6 +112,11 @@ class TrainConfig:
             raise ConfigError(
                 f"negative_advantage_scale: must be in [0, 1], got {self.negative_advantage_scale}"
             )
+        if self.advantage == "sample" and self.negative_advantage_scale != 1:
+            raise ConfigError(
+                "negative_advantage_scale: scales group advantages; with advantage=sample the "
+                "samples' own advantages are used as given (leave it at 1)"
+            )
         for name in ["adam_beta1", "adam_beta2"]:
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be in [0, 1), got {getattr(self, name)}")
