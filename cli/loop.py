@@ -38,26 +38,37 @@ def loop(
     out: Annotated[
         Path, typer.Option("--out", "-o", help="Run folder (re-use it to continue).")
     ] = Path("runs/loop"),
-    iterations: Annotated[int, typer.Option(help="Training iterations.")] = 7,
+    iterations: Annotated[int, typer.Option(help="Training iterations.")] = 16,
     group_size: Annotated[int, typer.Option("--group-size", "-g", help="Samples per task.")] = 4,
     tasks_per_iteration: Annotated[
         int, typer.Option(help="Train tasks per iteration (round-robin, seeded shuffle).")
     ] = 16,
-    eval_samples: Annotated[int, typer.Option(help="Seeded samples per held-out task.")] = 2,
+    eval_samples: Annotated[int, typer.Option(help="Seeded samples per held-out task.")] = 4,
     eval_limit: Annotated[
         int | None, typer.Option(help="Only the first N held-out tasks (default: all).")
     ] = None,
     sandbox: Annotated[str, typer.Option(help="local | docker")] = "local",
     concurrency: Annotated[
         int, typer.Option("--concurrency", "-c", help="Runs and gradings at once.")
-    ] = 2,
+    ] = 4,
     max_turns: Annotated[int, typer.Option(help="Agent turns per run.")] = 6,
     max_tokens: Annotated[int, typer.Option(help="Completion tokens per model call.")] = 256,
     temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 1.0,
     seed: Annotated[int, typer.Option(help="Task shuffle; eval seeds are SEED + sample.")] = 0,
     steps_per_iteration: Annotated[int, typer.Option(help="Optimizer steps per iteration.")] = 1,
+    train_params: Annotated[
+        str,
+        typer.Option(
+            help="Parameters to train, a regular expression over their names ('' = all); the "
+            "rest stay frozen."
+        ),
+    ] = r"^model\.norm\.",
     lr: Annotated[
-        float | None, typer.Option(help="Learning rate (default: 1e-4, or an lr= override).")
+        float | None,
+        typer.Option(
+            help="Learning rate (default: 0.4 with the default --train-params, else 1e-4; or an "
+            "lr= override)."
+        ),
     ] = None,
     algorithm: Annotated[
         str | None, typer.Option(help="gspo | grpo | drgrpo (default: the trainer's).")
@@ -84,6 +95,7 @@ def loop(
         temperature=temperature,
         seed=seed,
         steps_per_iteration=steps_per_iteration,
+        train_params=train_params,
         lr=lr,
         algorithm=algorithm,
         train_overrides=list(overrides or []),

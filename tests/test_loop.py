@@ -27,6 +27,8 @@ from conftest import ROOT
 
 from legorl.loop import (
     LOOP_LR,
+    LOOP_LR_ALL,
+    LOOP_TRAIN_PARAMS,
     EvalResult,
     IterationResult,
     LoopConfig,
@@ -288,6 +290,7 @@ def test_a_killed_loop_continues_mid_iteration(tmp_path: Path) -> None:
         (["nosuchkey=1"], "nosuchkey"),
         (["steps=3"], "--steps-per-iteration"),
         (["--model", "no/such/model"], "--model: no/such/model: not a model folder"),
+        (["--train-params", "norm("], "train_params: not a regular expression"),
     ],
 )
 def test_bad_values_exit_2_naming_the_flag(tmp_path: Path, args: list[str], named: str) -> None:
@@ -346,6 +349,8 @@ def test_config_validation_names_the_field(tmp_path: Path) -> None:
 
 def test_learning_rate_comes_from_the_flag_an_override_or_the_loop() -> None:
     assert LoopConfig().train_config().lr == LOOP_LR  # not the trainer's own default
+    assert LoopConfig(train_params="").train_config().lr == LOOP_LR_ALL  # every parameter
+    assert LoopConfig(train_params="lm_head").train_config().lr == LOOP_LR_ALL
     assert LoopConfig(lr=3e-4).train_config().lr == 3e-4
     assert LoopConfig(train_overrides=["lr=2e-6"]).train_config().lr == 2e-6
     # The CLI states the default without importing the loop (start-up stays light): it must
@@ -357,6 +362,21 @@ def test_learning_rate_comes_from_the_flag_an_override_or_the_loop() -> None:
     (option,) = typing.get_type_hints(cli_loop.loop, include_extras=True)["lr"].__metadata__
     stated = re.search(r"default: ([0-9.e+-]+)", option.help)
     assert stated is not None and float(stated.group(1)) == LOOP_LR, option.help
+    otherwise = re.search(r"else ([0-9.e+-]+);", option.help)
+    assert otherwise is not None and float(otherwise.group(1)) == LOOP_LR_ALL, option.help
+
+
+def test_the_trained_parameters_come_from_the_loop() -> None:
+    assert LoopConfig().train_config().train_params == LOOP_TRAIN_PARAMS
+    assert LoopConfig(train_params="").train_config().train_params == ""
+    with pytest.raises(LoopConfigError) as err:
+        LoopConfig(train_overrides=["train_params=lm_head"]).train_config()
+    assert err.value.problem == (
+        "override 'train_params=lm_head': the loop sets train_params; use --train-params"
+    )
+    with pytest.raises(LoopConfigError) as err:
+        LoopConfig(train_params="norm(").train_config()
+    assert err.value.field == "train" and "train_params: not a regular expression" in str(err.value)
 
 
 def test_the_cli_defaults_are_the_loop_config_defaults() -> None:

@@ -56,6 +56,7 @@ def test_unknown_keys_are_named(tmp_path: Path) -> None:
         ("gspo_clip_low=1.5", "gspo_clip_low: must be in (0, 1)"),
         ("seq_mask_low=1.2", "seq_mask_low, seq_mask_high"),
         ("negative_advantage_scale=-0.5", "negative_advantage_scale: must be in [0, 1]"),
+        ("train_params=norm(", "train_params: not a regular expression"),
         ("lr", "expected key=value"),
     ],
 )

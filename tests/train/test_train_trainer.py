@@ -14,7 +14,7 @@ from train_helpers import MODEL, MOE, load_weights, make_samples
 
 from legorl.records import Metric
 from legorl.train.config import TrainConfig
-from legorl.train.trainer import TrainResult, train
+from legorl.train.trainer import TrainError, TrainResult, train
 
 REQUIRED = {
     "rollout_trainer_pearson",
@@ -157,6 +157,29 @@ def test_negative_advantage_scale_scales_only_the_negative_advantages(
     assert max_diff(load_weights(tmp_path / "scaled"), load_weights(tmp_path / "given")) < 1e-6
     moved = max_diff(load_weights(tmp_path / "full"), load_weights(MODEL))
     assert max_diff(load_weights(tmp_path / "scaled"), load_weights(tmp_path / "full")) > moved / 10
+
+
+def test_train_params_trains_only_the_matching_parameters(samples, tmp_path: Path) -> None:
+    before = load_weights(MODEL)
+    run(samples, tmp_path / "norm", lr=1e-2, train_params=r"^model\.norm\.")
+    after = load_weights(tmp_path / "norm")
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert moved == {"model.norm.weight"}
+    state = torch.load(tmp_path / "norm" / "optimizer.pt", weights_only=True)
+    assert len(state["state"]) == 1  # Adam moments for the one trained tensor only
+    # continuing with the same parameters resumes; with others the saved moments cannot fit
+    again = run(
+        samples, tmp_path / "again", model=tmp_path / "norm", train_params=r"^model\.norm\."
+    )
+    assert again.step == 2
+    with pytest.raises(TrainError, match=r"optimizer\.pt: does not fit the parameters trained now"):
+        run(samples, tmp_path / "all", model=tmp_path / "norm", lr=1e-2)
+
+
+def test_train_params_that_match_nothing_are_an_error(samples, tmp_path: Path) -> None:
+    with pytest.raises(TrainError, match="train_params: 'no_such_layer' matches no parameter"):
+        run(samples, tmp_path / "none", train_params="no_such_layer")
+    assert not (tmp_path / "none").exists()
 
 
 def test_equal_rewards_give_no_gradient_and_are_counted(samples, tmp_path: Path) -> None:

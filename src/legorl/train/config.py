@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +70,9 @@ class TrainConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     max_grad_norm: float = 1.0
+    # a regular expression over parameter names (``re.search``): only the matching parameters
+    # are trained, the rest stay frozen; "" = every parameter
+    train_params: str = ""
     seed: int = 0
     resume: bool = True  # load optimizer state when the model folder has one (a checkpoint)
     # --- memory and speed -------------------------------------------------------------------
@@ -117,6 +121,13 @@ class TrainConfig:
                 "negative_advantage_scale: scales group advantages; with advantage=sample the "
                 "samples' own advantages are used as given (leave it at 1)"
             )
+        if self.train_params:
+            try:
+                re.compile(self.train_params)
+            except re.error as exc:
+                raise ConfigError(
+                    f"train_params: not a regular expression ({exc}): {self.train_params!r}"
+                ) from None
         for name in ["adam_beta1", "adam_beta2"]:
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be in [0, 1), got {getattr(self, name)}")

@@ -31,6 +31,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import time
 import urllib.error
@@ -216,6 +217,22 @@ def _score_all(
     return torch.where(hits > 0, values, torch.full_like(values, math.nan)).cpu()
 
 
+def trained_parameters(lm: Any, pattern: str) -> list[torch.nn.Parameter]:
+    """The parameters to train, the others frozen: those whose name ``pattern`` finds
+    (``re.search``), or all of them when it is empty."""
+    if not pattern:
+        return list(lm.parameters())
+    regex = re.compile(pattern)
+    chosen = []
+    for name, p in lm.named_parameters():
+        p.requires_grad_(bool(regex.search(name)))
+        if p.requires_grad:
+            chosen.append(p)
+    if not chosen:
+        raise TrainError(f"train_params: {pattern!r} matches no parameter of the model")
+    return chosen
+
+
 def _batch_metrics(batch: Batch) -> dict[str, float | None]:
     """What the samples say, before any training: rewards and the groups that carry a signal."""
     has = len(batch.episode_ids) > 0
@@ -387,8 +404,9 @@ def train(
     text_config = lm.config.get_text_config(decoder=True)
     pad_id = text_config.pad_token_id if text_config.pad_token_id is not None else 0
     scorer = TokenScorer(lm, temperature=config.temperature, chunk=config.logprob_chunk)
+    params = trained_parameters(lm, config.train_params)
     optimizer = torch.optim.AdamW(
-        scorer.parameters(),
+        params,
         lr=config.lr,
         betas=(config.adam_beta1, config.adam_beta2),
         eps=config.adam_eps,
@@ -401,7 +419,13 @@ def train(
     if fsdp:
         say("FSDP: the optimizer state is neither loaded nor saved (not built yet)")
     if config.resume and not fsdp and (model_dir / OPTIMIZER_FILE).is_file():
-        optimizer.load_state_dict(torch.load(model_dir / OPTIMIZER_FILE, weights_only=True))
+        try:
+            optimizer.load_state_dict(torch.load(model_dir / OPTIMIZER_FILE, weights_only=True))
+        except ValueError as exc:  # another train_params: other tensors, other moments
+            raise TrainError(
+                f"{model_dir / OPTIMIZER_FILE}: does not fit the parameters trained now ({exc}); "
+                "train the same train_params as the run that saved it, or resume=false"
+            ) from None
         for group in optimizer.param_groups:  # this call's config wins over the saved one
             group.update(lr=config.lr, weight_decay=config.weight_decay, eps=config.adam_eps)
             group["betas"] = (config.adam_beta1, config.adam_beta2)
