@@ -172,8 +172,13 @@ def test_train_params_trains_only_the_matching_parameters(samples, tmp_path: Pat
         samples, tmp_path / "again", model=tmp_path / "norm", train_params=r"^model\.norm\."
     )
     assert again.step == 2
-    with pytest.raises(TrainError, match=r"optimizer\.pt: does not fit the parameters trained now"):
+    with pytest.raises(TrainError, match=r"optimizer\.pt: saved for train_params '\^model"):
         run(samples, tmp_path / "all", model=tmp_path / "norm", lr=1e-2)
+    # the same count and shape of tensors (one [V, H] matrix each) is refused just as well
+    run(samples, tmp_path / "head", lr=1e-2, train_params="lm_head")
+    with pytest.raises(TrainError, match="saved for train_params 'lm_head', not 'embed_tokens'"):
+        run(samples, tmp_path / "embed", model=tmp_path / "head", train_params="embed_tokens")
+    run(samples, tmp_path / "fresh", model=tmp_path / "head", train_params="embed", resume=False)
 
 
 def test_train_params_that_match_nothing_are_an_error(samples, tmp_path: Path) -> None:

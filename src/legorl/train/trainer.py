@@ -419,13 +419,15 @@ def train(
     if fsdp:
         say("FSDP: the optimizer state is neither loaded nor saved (not built yet)")
     if config.resume and not fsdp and (model_dir / OPTIMIZER_FILE).is_file():
-        try:
-            optimizer.load_state_dict(torch.load(model_dir / OPTIMIZER_FILE, weights_only=True))
-        except ValueError as exc:  # another train_params: other tensors, other moments
+        # Adam's moments belong to the tensors that were trained; another train_params would
+        # give them to other tensors, silently where the counts and shapes happen to agree
+        saved = state.get("train_params", "")
+        if saved != config.train_params:
             raise TrainError(
-                f"{model_dir / OPTIMIZER_FILE}: does not fit the parameters trained now ({exc}); "
-                "train the same train_params as the run that saved it, or resume=false"
-            ) from None
+                f"{model_dir / OPTIMIZER_FILE}: saved for train_params {saved!r}, not "
+                f"{config.train_params!r}; train the same parameters, or resume=false"
+            )
+        optimizer.load_state_dict(torch.load(model_dir / OPTIMIZER_FILE, weights_only=True))
         for group in optimizer.param_groups:  # this call's config wins over the saved one
             group.update(lr=config.lr, weight_decay=config.weight_decay, eps=config.adam_eps)
             group["betas"] = (config.adam_beta1, config.adam_beta2)
@@ -660,6 +662,7 @@ def train(
         "base_model": str(state.get("base_model", model_dir)),
         "parent": str(model_dir),
         "samples": len(batch.samples),
+        "train_params": config.train_params,  # whose moments optimizer.pt holds
     }
     save_checkpoint(
         accelerator,
