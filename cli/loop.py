@@ -70,6 +70,14 @@ def loop(
             "lr= override)."
         ),
     ] = None,
+    lr_groups: Annotated[
+        str,
+        typer.Option(
+            help="Other learning rates for some trained parameters: space-separated REGEX=LR "
+            "entries, the first that finds a name wins (say '^model\\.norm\\.=0.4' with "
+            "--train-params '' --lr 3e-5)."
+        ),
+    ] = "",
     algorithm: Annotated[
         str | None, typer.Option(help="gspo | grpo | drgrpo (default: the trainer's).")
     ] = None,
@@ -97,6 +105,7 @@ def loop(
         steps_per_iteration=steps_per_iteration,
         train_params=train_params,
         lr=lr,
+        lr_groups=lr_groups,
         algorithm=algorithm,
         train_overrides=list(overrides or []),
         timeout=timeout,

@@ -291,6 +291,9 @@ def test_a_killed_loop_continues_mid_iteration(tmp_path: Path) -> None:
         (["steps=3"], "--steps-per-iteration"),
         (["--model", "no/such/model"], "--model: no/such/model: not a model folder"),
         (["--train-params", "norm("], "train_params: not a regular expression"),
+        (["--lr-groups", "norm=fast"], "lr_groups: the lr of 'norm=fast' must be a number > 0"),
+        (["--train-params", "no_such_layer"], "train_params: 'no_such_layer' matches no param"),
+        (["--lr-groups", "lm_head=1e-3"], "lr_groups: 'lm_head' takes no trained parameter"),
     ],
 )
 def test_bad_values_exit_2_naming_the_flag(tmp_path: Path, args: list[str], named: str) -> None:
@@ -377,6 +380,17 @@ def test_the_trained_parameters_come_from_the_loop() -> None:
     with pytest.raises(LoopConfigError) as err:
         LoopConfig(train_params="norm(").train_config()
     assert err.value.field == "train" and "train_params: not a regular expression" in str(err.value)
+
+
+def test_the_lr_groups_come_from_the_flag() -> None:
+    assert LoopConfig().train_config().lr_groups == ""
+    config = LoopConfig(train_params="", lr=3e-5, lr_groups=r"^model\.norm\.=0.4").train_config()
+    assert config.lr_group_entries() == [(r"^model\.norm\.", 0.4)] and config.lr == 3e-5
+    with pytest.raises(LoopConfigError) as err:
+        LoopConfig(train_overrides=["lr_groups=lm_head=1"]).train_config()
+    assert err.value.problem == (
+        "override 'lr_groups=lm_head=1': the loop sets lr_groups; use --lr-groups"
+    )
 
 
 def test_the_cli_defaults_are_the_loop_config_defaults() -> None:

@@ -57,6 +57,10 @@ def test_unknown_keys_are_named(tmp_path: Path) -> None:
         ("seq_mask_low=1.2", "seq_mask_low, seq_mask_high"),
         ("negative_advantage_scale=-0.5", "negative_advantage_scale: must be in [0, 1]"),
         ("train_params=norm(", "train_params: not a regular expression"),
+        ("lr_groups=norm(=0.1", "lr_groups: 'norm(' is not a regular expression"),
+        ("lr_groups=norm", "lr_groups: expected REGEX=LR, got 'norm'"),
+        ("lr_groups=norm=fast", "lr_groups: the lr of 'norm=fast' must be a number > 0"),
+        ("lr_groups='head=1e-3 norm=0'", "lr_groups: the lr of 'norm=0' must be a number > 0"),
         ("lr", "expected key=value"),
     ],
 )
@@ -64,6 +68,12 @@ def test_bad_values_are_rejected_with_the_key(override: str, message: str) -> No
     with pytest.raises(ConfigError) as info:
         build_config(overrides=[override])
     assert message in str(info.value)
+
+
+def test_lr_groups_are_read_in_order() -> None:
+    config = build_config(overrides=[r"lr_groups=^model\.norm\.=0.4  lm_head=3e-5"])
+    assert config.lr_group_entries() == [(r"^model\.norm\.", 0.4), ("lm_head", 3e-5)]
+    assert build_config().lr_group_entries() == []
 
 
 def test_negative_advantage_scale_needs_group_advantages() -> None:

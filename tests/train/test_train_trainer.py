@@ -187,6 +187,30 @@ def test_train_params_that_match_nothing_are_an_error(samples, tmp_path: Path) -
     assert not (tmp_path / "none").exists()
 
 
+def test_lr_groups_give_their_parameters_another_lr(samples, tmp_path: Path) -> None:
+    # Adam's first step moves each element by about its group's lr, whatever its gradient
+    before = load_weights(MODEL)
+    run(samples, tmp_path / "g", lr=1e-5, lr_groups=r"^model\.norm\.=1e-2")
+    after = load_weights(tmp_path / "g")
+    norm = (after["model.norm.weight"] - before["model.norm.weight"]).abs().max().item()
+    head = (after["lm_head.weight"] - before["lm_head.weight"]).abs().max().item()
+    assert 5e-3 < norm <= 1.01e-2
+    assert 0 < head <= 1.01e-5
+    state = torch.load(tmp_path / "g" / "optimizer.pt", weights_only=True)
+    assert [g["lr"] for g in state["param_groups"]] == [1e-2, 1e-5]
+    # the groups sort the saved moments: resuming with other groups is refused
+    again = run(samples, tmp_path / "again", model=tmp_path / "g", lr_groups=r"^model\.norm\.=3e-3")
+    assert again.step == 2  # the same entries with another lr resume
+    with pytest.raises(TrainError, match=r"optimizer\.pt: saved for lr_groups regexes \['\^model"):
+        run(samples, tmp_path / "other", model=tmp_path / "g", lr_groups="lm_head=1e-2")
+
+
+def test_an_lr_group_that_takes_nothing_is_an_error(samples, tmp_path: Path) -> None:
+    with pytest.raises(TrainError, match="lr_groups: 'lm_head' takes no trained parameter"):
+        run(samples, tmp_path / "none", train_params=r"^model\.norm\.", lr_groups="lm_head=1")
+    assert not (tmp_path / "none").exists()
+
+
 def test_equal_rewards_give_no_gradient_and_are_counted(samples, tmp_path: Path) -> None:
     flat = [dataclasses.replace(s, reward=1.0) for s in samples]
     result = run(flat, tmp_path / "z", lr=1.0)

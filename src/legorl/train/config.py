@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import typing
 from dataclasses import dataclass
@@ -73,6 +74,10 @@ class TrainConfig:
     # a regular expression over parameter names (``re.search``): only the matching parameters
     # are trained, the rest stay frozen; "" = every parameter
     train_params: str = ""
+    # other learning rates for some of the trained parameters: whitespace-separated
+    # ``REGEX=LR`` entries, the first entry whose regex finds a name wins, the rest get ``lr``
+    # (say ``^model\.norm\.=0.4`` with lr=3e-5 over every parameter); "" = ``lr`` for all
+    lr_groups: str = ""
     seed: int = 0
     resume: bool = True  # load optimizer state when the model folder has one (a checkpoint)
     # --- memory and speed -------------------------------------------------------------------
@@ -128,6 +133,7 @@ class TrainConfig:
                 raise ConfigError(
                     f"train_params: not a regular expression ({exc}): {self.train_params!r}"
                 ) from None
+        self.lr_group_entries()  # checks the entries
         for name in ["adam_beta1", "adam_beta2"]:
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be in [0, 1), got {getattr(self, name)}")
@@ -146,6 +152,28 @@ class TrainConfig:
         if self.advantage == "auto":
             return "drgrpo" if self.algorithm == "drgrpo" else "grpo"
         return self.advantage
+
+    def lr_group_entries(self) -> list[tuple[str, float]]:
+        """``lr_groups`` as ``(regex, lr)`` pairs, in order; a bad entry is a ConfigError."""
+        entries = []
+        for entry in self.lr_groups.split():
+            pattern, sep, raw = entry.rpartition("=")
+            if not sep or not pattern:
+                raise ConfigError(f"lr_groups: expected REGEX=LR, got {entry!r}")
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ConfigError(
+                    f"lr_groups: {pattern!r} is not a regular expression ({exc})"
+                ) from None
+            try:
+                lr = float(raw)
+            except ValueError:
+                lr = math.nan
+            if not (math.isfinite(lr) and lr > 0):
+                raise ConfigError(f"lr_groups: the lr of {entry!r} must be a number > 0")
+            entries.append((pattern, lr))
+        return entries
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -233,6 +233,50 @@ def trained_parameters(lm: Any, pattern: str) -> list[torch.nn.Parameter]:
     return chosen
 
 
+def lr_param_groups(
+    lm: Any, params: list[torch.nn.Parameter], config: TrainConfig
+) -> list[dict[str, Any]]:
+    """Optimizer groups of the trained ``params``: one per ``lr_groups`` entry (the first entry
+    whose regex finds a parameter's name takes it), then the rest at ``lr``. An entry that takes
+    no trained parameter is a TrainError: its lr would silently do nothing."""
+    entries = config.lr_group_entries()
+    if not entries:
+        return [{"params": params, "lr": config.lr}]
+    trained = {id(p) for p in params}
+    taken: list[list[torch.nn.Parameter]] = [[] for _ in entries]
+    rest = []
+    for name, p in lm.named_parameters():
+        if id(p) not in trained:
+            continue
+        for i, (pattern, _) in enumerate(entries):
+            if re.search(pattern, name):
+                taken[i].append(p)
+                break
+        else:
+            rest.append(p)
+    for (pattern, _), got in zip(entries, taken, strict=True):
+        if not got:
+            raise TrainError(
+                f"lr_groups: {pattern!r} takes no trained parameter (train_params "
+                f"{config.train_params!r}, or an earlier entry, has them)"
+            )
+    groups = [{"params": got, "lr": lr} for (_, lr), got in zip(entries, taken, strict=True)]
+    if rest:
+        groups.append({"params": rest, "lr": config.lr})
+    return groups
+
+
+def check_parameter_choice(model_dir: str | Path, config: TrainConfig) -> None:
+    """Raise TrainError, as ``train`` would, when ``train_params`` or an ``lr_groups`` entry
+    takes no parameter of the model in ``model_dir``; only its names are built (meta device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(model_config)
+    lr_param_groups(lm, trained_parameters(lm, config.train_params), config)
+
+
 def _batch_metrics(batch: Batch) -> dict[str, float | None]:
     """What the samples say, before any training: rewards and the groups that carry a signal."""
     has = len(batch.episode_ids) > 0
@@ -405,8 +449,9 @@ def train(
     pad_id = text_config.pad_token_id if text_config.pad_token_id is not None else 0
     scorer = TokenScorer(lm, temperature=config.temperature, chunk=config.logprob_chunk)
     params = trained_parameters(lm, config.train_params)
+    groups = lr_param_groups(lm, params, config)
     optimizer = torch.optim.AdamW(
-        params,
+        groups,
         lr=config.lr,
         betas=(config.adam_beta1, config.adam_beta2),
         eps=config.adam_eps,
@@ -427,9 +472,18 @@ def train(
                 f"{model_dir / OPTIMIZER_FILE}: saved for train_params {saved!r}, not "
                 f"{config.train_params!r}; train the same parameters, or resume=false"
             )
+        # and lr_groups' regexes sort them into the groups (their lrs may change)
+        saved_groups = state.get("lr_group_patterns", [])
+        patterns = [pattern for pattern, _ in config.lr_group_entries()]
+        if saved_groups != patterns:
+            raise TrainError(
+                f"{model_dir / OPTIMIZER_FILE}: saved for lr_groups regexes {saved_groups}, not "
+                f"{patterns}; group the same parameters (other lrs are fine), or resume=false"
+            )
         optimizer.load_state_dict(torch.load(model_dir / OPTIMIZER_FILE, weights_only=True))
-        for group in optimizer.param_groups:  # this call's config wins over the saved one
-            group.update(lr=config.lr, weight_decay=config.weight_decay, eps=config.adam_eps)
+        for group, built in zip(optimizer.param_groups, groups, strict=True):
+            # this call's config wins over the saved one
+            group.update(lr=built["lr"], weight_decay=config.weight_decay, eps=config.adam_eps)
             group["betas"] = (config.adam_beta1, config.adam_beta2)
         say(f"resumed optimizer state from {model_dir / OPTIMIZER_FILE}")
     scorer, optimizer = accelerator.prepare(scorer, optimizer)
@@ -663,6 +717,7 @@ def train(
         "parent": str(model_dir),
         "samples": len(batch.samples),
         "train_params": config.train_params,  # whose moments optimizer.pt holds
+        "lr_group_patterns": [pattern for pattern, _ in config.lr_group_entries()],  # groups
     }
     save_checkpoint(
         accelerator,
