@@ -59,3 +59,15 @@ def test_a_bad_update_is_named(tmp_path: Path, capsys) -> None:
     assert (
         "--update 'lr=fast': override 'lr=fast': lr: expected a number" in capsys.readouterr().err
     )
+
+
+def test_model_folders_are_scored_as_they_are(tmp_path: Path, capsys) -> None:
+    code = compare_updates.main(["--bugs", "2", "--score", str(AGENT)])
+    assert code == 0
+    start, scored = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert scored.pop("score") == str(AGENT)
+    assert scored == {k: v for k, v in start.items() if k != "update"}  # the same weights
+    assert compare_updates.main(["--update", "lr=1e-4"]) == 2
+    assert "--update needs the samples" in capsys.readouterr().err
+    assert compare_updates.main(["--score", str(tmp_path)]) == 2
+    assert f"--score {tmp_path}: not a model folder" in capsys.readouterr().err
