@@ -14,7 +14,7 @@ from train_helpers import MODEL, MOE, load_weights, make_samples
 
 from legorl.records import Metric
 from legorl.train.config import TrainConfig
-from legorl.train.trainer import TrainError, TrainResult, train
+from legorl.train.trainer import TrainError, TrainResult, check_parameter_choice, train
 
 REQUIRED = {
     "rollout_trainer_pearson",
@@ -209,6 +209,18 @@ def test_an_lr_group_that_takes_nothing_is_an_error(samples, tmp_path: Path) -> 
     with pytest.raises(TrainError, match="lr_groups: 'lm_head' takes no trained parameter"):
         run(samples, tmp_path / "none", train_params=r"^model\.norm\.", lr_groups="lm_head=1")
     assert not (tmp_path / "none").exists()
+
+
+def test_the_parameter_choice_is_checked_on_the_names_alone(tmp_path: Path) -> None:
+    fine = TrainConfig(train_params=r"^model\.norm\.|lm_head", lr_groups="norm=1")
+    assert check_parameter_choice(MODEL, fine) is None
+    with pytest.raises(TrainError, match="train_params: 'nope' matches no parameter"):
+        check_parameter_choice(MODEL, TrainConfig(train_params="nope"))
+    with pytest.raises(TrainError, match="lr_groups: 'embed' takes no trained parameter"):
+        check_parameter_choice(MODEL, TrainConfig(train_params="lm_head", lr_groups="embed=1"))
+    # a model these names cannot be built for is left to train, which says what is wrong
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    assert check_parameter_choice(tmp_path, TrainConfig(train_params="nope")) is None
 
 
 def test_equal_rewards_give_no_gradient_and_are_counted(samples, tmp_path: Path) -> None:

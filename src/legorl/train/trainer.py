@@ -257,8 +257,8 @@ def lr_param_groups(
     for (pattern, _), got in zip(entries, taken, strict=True):
         if not got:
             raise TrainError(
-                f"lr_groups: {pattern!r} takes no trained parameter (train_params "
-                f"{config.train_params!r}, or an earlier entry, has them)"
+                f"lr_groups: {pattern!r} takes no trained parameter (it finds none of those "
+                f"train_params {config.train_params!r} trains, or an earlier entry took them)"
             )
     groups = [{"params": got, "lr": lr} for (_, lr), got in zip(entries, taken, strict=True)]
     if rest:
@@ -268,12 +268,16 @@ def lr_param_groups(
 
 def check_parameter_choice(model_dir: str | Path, config: TrainConfig) -> None:
     """Raise TrainError, as ``train`` would, when ``train_params`` or an ``lr_groups`` entry
-    takes no parameter of the model in ``model_dir``; only its names are built (meta device)."""
+    takes no parameter of the model in ``model_dir``; only its names are built (meta device).
+    A model that cannot be built this way is not checked here: ``train`` says what is wrong."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-    with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(model_config)
+    try:
+        model_config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+        with torch.device("meta"):
+            lm = AutoModelForCausalLM.from_config(model_config)
+    except (OSError, ValueError, KeyError, TypeError):
+        return
     lr_param_groups(lm, trained_parameters(lm, config.train_params), config)
 
 
