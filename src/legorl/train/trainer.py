@@ -454,6 +454,7 @@ def train(
     scorer = TokenScorer(lm, temperature=config.temperature, chunk=config.logprob_chunk)
     params = trained_parameters(lm, config.train_params)
     groups = lr_param_groups(lm, params, config)
+    group_patterns = [pattern for pattern, _ in config.lr_group_entries()]  # sort the moments
     optimizer = torch.optim.AdamW(
         groups,
         lr=config.lr,
@@ -478,11 +479,10 @@ def train(
             )
         # and lr_groups' regexes sort them into the groups (their lrs may change)
         saved_groups = state.get("lr_group_patterns", [])
-        patterns = [pattern for pattern, _ in config.lr_group_entries()]
-        if saved_groups != patterns:
+        if saved_groups != group_patterns:
             raise TrainError(
                 f"{model_dir / OPTIMIZER_FILE}: saved for lr_groups regexes {saved_groups}, not "
-                f"{patterns}; group the same parameters (other lrs are fine), or resume=false"
+                f"{group_patterns}; group the same parameters (other lrs are fine), or resume=false"
             )
         optimizer.load_state_dict(torch.load(model_dir / OPTIMIZER_FILE, weights_only=True))
         for group, built in zip(optimizer.param_groups, groups, strict=True):
@@ -721,7 +721,7 @@ def train(
         "parent": str(model_dir),
         "samples": len(batch.samples),
         "train_params": config.train_params,  # whose moments optimizer.pt holds
-        "lr_group_patterns": [pattern for pattern, _ in config.lr_group_entries()],  # groups
+        "lr_group_patterns": group_patterns,  # and how they are grouped
     }
     save_checkpoint(
         accelerator,
