@@ -66,8 +66,9 @@ def loop(
     lr: Annotated[
         float | None,
         typer.Option(
-            help="Learning rate (default: 0.4 with the default --train-params, else 1e-4; or an "
-            "lr= override)."
+            help="Learning rate (default: 0.1 with the default --train-params and --scale-only, "
+            "0.4 with the default --train-params and --scale-only '', else 1e-4; or an lr= "
+            "override)."
         ),
     ] = None,
     lr_groups: Annotated[
@@ -78,6 +79,14 @@ def loop(
             "--train-params '' --lr 3e-5)."
         ),
     ] = "",
+    scale_only: Annotated[
+        str | None,
+        typer.Option(
+            help="Of the trained parameters, those trained through one scalar factor each (a "
+            "regular expression; '' = none). Default: the final norm with the default "
+            "--train-params (a learned inverse temperature), else none."
+        ),
+    ] = None,
     algorithm: Annotated[
         str | None, typer.Option(help="gspo | grpo | drgrpo (default: the trainer's).")
     ] = None,
@@ -106,6 +115,7 @@ def loop(
         train_params=train_params,
         lr=lr,
         lr_groups=lr_groups,
+        scale_only=scale_only,
         algorithm=algorithm,
         train_overrides=list(overrides or []),
         timeout=timeout,
@@ -231,3 +241,9 @@ def summary(result: LoopResult) -> None:
     console.print(
         f"metrics: {result.metrics_path}  plot: {plot}  state: {result.state_path}", markup=False
     )
+    weights = (
+        result.config.out / state.checkpoint
+        if state.checkpoint
+        else f"{result.config.model} (no iteration trained)"
+    )
+    console.print(f"weights: {weights}", markup=False)

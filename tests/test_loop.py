@@ -28,6 +28,7 @@ from conftest import ROOT
 from legorl.loop import (
     LOOP_LR,
     LOOP_LR_ALL,
+    LOOP_LR_SCALE,
     LOOP_TRAIN_PARAMS,
     EvalResult,
     IterationResult,
@@ -268,6 +269,7 @@ def test_a_killed_loop_continues_mid_iteration(tmp_path: Path) -> None:
     assert "training skipped" in resumed.stderr
     assert "held-out success: 0.0% → 0.0% (+0.0 points)" in resumed.stderr
     assert "Pearson over 2 iteration(s)" in resumed.stderr
+    assert f"weights: {MODEL} (no iteration trained)" in resumed.stderr
     trained = [m.value for m in read_jsonl(out / "metrics.jsonl", Metric) if m.name == "trained"]
     assert trained == [0.0, 0.0]
 
@@ -294,6 +296,8 @@ def test_a_killed_loop_continues_mid_iteration(tmp_path: Path) -> None:
         (["--lr-groups", "norm=fast"], "lr_groups: the lr of 'norm=fast' must be a number > 0"),
         (["--train-params", "no_such_layer"], "train_params: 'no_such_layer' matches no param"),
         (["--lr-groups", "lm_head=1e-3"], "lr_groups: 'lm_head' takes no trained parameter"),
+        (["--scale-only", "norm["], "scale_only: not a regular expression"),
+        (["--scale-only", "lm_head"], "scale_only: 'lm_head' finds none of the parameters"),
     ],
 )
 def test_bad_values_exit_2_naming_the_flag(tmp_path: Path, args: list[str], named: str) -> None:
@@ -351,7 +355,8 @@ def test_config_validation_names_the_field(tmp_path: Path) -> None:
 
 
 def test_learning_rate_comes_from_the_flag_an_override_or_the_loop() -> None:
-    assert LoopConfig().train_config().lr == LOOP_LR  # not the trainer's own default
+    assert LoopConfig().train_config().lr == LOOP_LR_SCALE  # not the trainer's own default
+    assert LoopConfig(scale_only="").train_config().lr == LOOP_LR  # the gains one by one
     assert LoopConfig(train_params="").train_config().lr == LOOP_LR_ALL  # every parameter
     assert LoopConfig(train_params="lm_head").train_config().lr == LOOP_LR_ALL
     assert LoopConfig(lr=3e-4).train_config().lr == 3e-4
@@ -364,7 +369,11 @@ def test_learning_rate_comes_from_the_flag_an_override_or_the_loop() -> None:
 
     (option,) = typing.get_type_hints(cli_loop.loop, include_extras=True)["lr"].__metadata__
     stated = re.search(r"default: ([0-9.e+-]+)", option.help)
-    assert stated is not None and float(stated.group(1)) == LOOP_LR, option.help
+    assert stated is not None and float(stated.group(1)) == LOOP_LR_SCALE, option.help
+    one_by_one = re.search(
+        r"([0-9.e+-]+) with the default --train-params and --scale-only ''", option.help
+    )
+    assert one_by_one is not None and float(one_by_one.group(1)) == LOOP_LR, option.help
     otherwise = re.search(r"else ([0-9.e+-]+);", option.help)
     assert otherwise is not None and float(otherwise.group(1)) == LOOP_LR_ALL, option.help
 
@@ -380,6 +389,18 @@ def test_the_trained_parameters_come_from_the_loop() -> None:
     with pytest.raises(LoopConfigError) as err:
         LoopConfig(train_params="norm(").train_config()
     assert err.value.field == "train" and "train_params: not a regular expression" in str(err.value)
+
+
+def test_the_final_norm_is_trained_as_one_factor_unless_told_otherwise() -> None:
+    assert LoopConfig().train_config().scale_only == LOOP_TRAIN_PARAMS
+    assert LoopConfig(scale_only="").train_config().scale_only == ""
+    assert LoopConfig(train_params="").train_config().scale_only == ""  # every parameter
+    assert LoopConfig(train_params="", scale_only="norm").train_config().scale_only == "norm"
+    with pytest.raises(LoopConfigError) as err:
+        LoopConfig(train_overrides=["scale_only=lm_head"]).train_config()
+    assert err.value.problem == (
+        "override 'scale_only=lm_head': the loop sets scale_only; use --scale-only"
+    )
 
 
 def test_the_lr_groups_come_from_the_flag() -> None:

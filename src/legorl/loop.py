@@ -11,8 +11,9 @@ held-out evaluation samples ``eval_samples`` runs per ``heldout.jsonl`` task wit
 (``seed`` + sample index), the same before and after, so the two are comparable; its success is
 the fraction of graded runs with reward 1 (environment failures are counted, not graded).
 By default the trainer updates only the final norm's gains (``train_params``, see
-``LOOP_TRAIN_PARAMS``); ``--train-params ''`` trains every parameter, and ``--lr-groups`` gives
-some of them another lr.
+``LOOP_TRAIN_PARAMS``), and those through one common factor (``scale_only``, a learned inverse
+temperature); ``--scale-only ''`` trains the gains one by one, ``--train-params ''`` trains every
+parameter, and ``--lr-groups`` gives some of them another lr.
 
 Layout under ``out``::
 
@@ -70,6 +71,7 @@ _LOOP_OWNED = {
     "temperature": "temperature",
     "train_params": "train_params",
     "lr_groups": "lr_groups",
+    "scale_only": "scale_only",
 }
 #: Options that may change between a run and its continuation; the others must not.
 _MAY_CHANGE = {"out", "iterations", "sandbox", "concurrency", "timeout", "device"}
@@ -111,11 +113,26 @@ LOOP_TRAIN_PARAMS = r"^model\.norm\."
 # gets LOOP_LR_ALL too.
 LOOP_LR = 0.4
 LOOP_LR_ALL = 1e-4
+# By default those gains are trained through one common factor (the trainer's scale_only), a
+# learned inverse temperature: element-wise, each of the 192 gains takes a step of about lr per
+# iteration whatever its share of the signal, and the step's noise outgrows its sharpening
+# (measured in the README). Adam moves the factor by about lr a step: 0.1 lets 16 iterations
+# multiply it by up to 1.1 ** 16 = 4.6 where the reward keeps asking for it.
+LOOP_LR_SCALE = 0.1
 
 
-def default_lr(train_params: str) -> float:
+def default_scale_only(train_params: str) -> str:
+    """What the loop trains as one factor when ``--scale-only`` is not given: the final norm
+    with the default ``train_params``, else nothing."""
+    return LOOP_TRAIN_PARAMS if train_params == LOOP_TRAIN_PARAMS else ""
+
+
+def default_lr(train_params: str, scale_only: str | None = None) -> float:
     """The loop's learning rate when neither ``--lr`` nor an ``lr=`` override is given."""
-    return LOOP_LR if train_params == LOOP_TRAIN_PARAMS else LOOP_LR_ALL
+    if train_params != LOOP_TRAIN_PARAMS:
+        return LOOP_LR_ALL
+    scale = default_scale_only(train_params) if scale_only is None else scale_only
+    return LOOP_LR_SCALE if scale else LOOP_LR
 
 
 @dataclass(kw_only=True)
@@ -141,6 +158,9 @@ class LoopConfig:
     lr: float | None = None  # None: an ``lr=`` override, else default_lr(train_params)
     # other lrs for some of the trained parameters (the trainer's lr_groups: REGEX=LR entries)
     lr_groups: str = ""
+    # of those, the ones trained through one scalar factor each (the trainer's scale_only);
+    # None: default_scale_only(train_params), the final norm with the default train_params
+    scale_only: str | None = None
     algorithm: str | None = None  # None: the trainer's default
     train_overrides: list[str] = field(default_factory=list)  # TrainConfig key=value
     timeout: float = 300.0  # seconds per harness run
@@ -209,15 +229,21 @@ class LoopConfig:
                 temperature=self.temperature,
                 train_params=self.train_params,
                 lr_groups=self.lr_groups,
+                scale_only=self.resolved_scale_only(),
                 lr=(
                     self.lr
                     if self.lr is not None or "lr" in overridden
-                    else default_lr(self.train_params)
+                    else default_lr(self.train_params, self.scale_only)
                 ),
                 algorithm=self.algorithm,
             )
         except ConfigError as exc:
             raise LoopConfigError("train", str(exc)) from None
+
+    def resolved_scale_only(self) -> str:
+        if self.scale_only is None:
+            return default_scale_only(self.train_params)
+        return self.scale_only
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)

@@ -57,6 +57,7 @@ def test_unknown_keys_are_named(tmp_path: Path) -> None:
         ("seq_mask_low=1.2", "seq_mask_low, seq_mask_high"),
         ("negative_advantage_scale=-0.5", "negative_advantage_scale: must be in [0, 1]"),
         ("train_params=norm(", "train_params: not a regular expression"),
+        ("scale_only=norm[", "scale_only: not a regular expression"),
         ("lr_groups=norm(=0.1", "lr_groups: 'norm(' is not a regular expression"),
         ("lr_groups=norm", "lr_groups: expected REGEX=LR, got 'norm'"),
         ("lr_groups=norm=fast", "lr_groups: the lr of 'norm=fast' must be a number > 0"),

@@ -211,6 +211,52 @@ def test_an_lr_group_that_takes_nothing_is_an_error(samples, tmp_path: Path) -> 
     assert not (tmp_path / "none").exists()
 
 
+def test_scale_only_trains_a_tensor_through_one_factor(samples, tmp_path: Path) -> None:
+    before = load_weights(MODEL)
+    norm = r"^model\.norm\."
+    result = run(samples, tmp_path / "s", lr=0.1, train_params=norm, scale_only=norm)
+    after = load_weights(tmp_path / "s")
+    assert set(after) == set(before)  # saved as plain tensors, no parametrization left over
+    assert {k for k in before if not torch.equal(before[k], after[k])} == {"model.norm.weight"}
+    ratio = after["model.norm.weight"] / before["model.norm.weight"]
+    # one factor for the whole tensor; Adam's first step moves it by about lr
+    assert float(ratio.max() - ratio.min()) < 1e-5
+    assert 0.05 < abs(float(ratio.mean()) - 1) <= 0.1 + 1e-5
+    assert values(result, "grad_norm")[0] > 0
+    state = torch.load(tmp_path / "s" / "optimizer.pt", weights_only=True)
+    assert [v["exp_avg"].shape for v in state["state"].values()] == [torch.Size([])]
+    # the next call starts its factor at 1 on the saved product and resumes the moments
+    again = run(
+        samples, tmp_path / "again", model=tmp_path / "s", train_params=norm, scale_only=norm
+    )
+    assert again.step == 2
+    twice = load_weights(tmp_path / "again")["model.norm.weight"] / before["model.norm.weight"]
+    assert float(twice.max() - twice.min()) < 1e-5
+    with pytest.raises(TrainError, match=r"optimizer\.pt: saved for scale_only '\^model"):
+        run(samples, tmp_path / "elementwise", model=tmp_path / "s", train_params=norm)
+    # the rest of the trained tensors are trained element-wise beside it (plain SGD steps, so
+    # that each element moves as its own gradient says)
+    run(samples, tmp_path / "mixed", **LINEAR, train_params=r"norm", scale_only=norm)
+    mixed = load_weights(tmp_path / "mixed")
+    layer = (
+        mixed["model.layers.0.input_layernorm.weight"]
+        / before["model.layers.0.input_layernorm.weight"]
+    )
+    final = mixed["model.norm.weight"] / before["model.norm.weight"]
+    assert float(layer.max() - layer.min()) > 1e-4  # not one common factor there
+    assert float(final.max() - final.min()) < 1e-5 and float((final - 1).abs().max()) > 0
+
+
+def test_scale_only_that_finds_no_trained_parameter_is_an_error(samples, tmp_path: Path) -> None:
+    with pytest.raises(TrainError, match="scale_only: 'lm_head' finds none of the parameters"):
+        run(samples, tmp_path / "none", train_params=r"^model\.norm\.", scale_only="lm_head")
+    assert not (tmp_path / "none").exists()
+    with pytest.raises(TrainError, match="scale_only: 'lm_head' finds none"):
+        check_parameter_choice(
+            MODEL, TrainConfig(train_params=r"^model\.norm\.", scale_only="lm_head")
+        )
+
+
 def test_the_parameter_choice_is_checked_on_the_names_alone(tmp_path: Path) -> None:
     fine = TrainConfig(train_params=r"^model\.norm\.|lm_head", lr_groups="norm=1")
     assert check_parameter_choice(MODEL, fine) is None

@@ -74,6 +74,10 @@ class TrainConfig:
     # a regular expression over parameter names (``re.search``): only the matching parameters
     # are trained, the rest stay frozen; "" = every parameter
     train_params: str = ""
+    # of the trained parameters, those whose name this regular expression finds are trained
+    # through one scalar each: the tensor times a learned factor that starts at 1 (for the final
+    # norm's gains, a learned inverse temperature); "" = none, every trained tensor element-wise
+    scale_only: str = ""
     # other learning rates for some of the trained parameters: whitespace-separated
     # ``REGEX=LR`` entries, the first entry whose regex finds a name wins, the rest get ``lr``
     # (say ``^model\.norm\.=0.4`` with lr=3e-5 over every parameter); "" = ``lr`` for all
@@ -126,12 +130,13 @@ class TrainConfig:
                 "negative_advantage_scale: scales group advantages; with advantage=sample the "
                 "samples' own advantages are used as given (leave it at 1)"
             )
-        if self.train_params:
+        for name in ["train_params", "scale_only"]:
+            pattern = getattr(self, name)
             try:
-                re.compile(self.train_params)
+                re.compile(pattern)
             except re.error as exc:
                 raise ConfigError(
-                    f"train_params: not a regular expression ({exc}): {self.train_params!r}"
+                    f"{name}: not a regular expression ({exc}): {pattern!r}"
                 ) from None
         self.lr_group_entries()  # checks the entries
         for name in ["adam_beta1", "adam_beta2"]:

@@ -233,6 +233,62 @@ def trained_parameters(lm: Any, pattern: str) -> list[torch.nn.Parameter]:
     return chosen
 
 
+class _Scale(torch.nn.Module):
+    """``W -> factor * W``: a tensor trained only through one scalar (``scale_only``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.factor = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * self.factor.to(weight.dtype)
+
+
+def scale_only_targets(lm: Any, params: list[torch.nn.Parameter], config: TrainConfig) -> list[str]:
+    """The names of the trained ``params`` that ``scale_only`` finds ([] when it is empty); a
+    pattern that finds none of them is a TrainError."""
+    if not config.scale_only:
+        return []
+    regex = re.compile(config.scale_only)
+    trained = {id(p) for p in params}
+    names = [n for n, p in lm.named_parameters() if id(p) in trained and regex.search(n)]
+    if not names:
+        raise TrainError(
+            f"scale_only: {config.scale_only!r} finds none of the parameters that train_params "
+            f"{config.train_params!r} trains"
+        )
+    return names
+
+
+def scale_only_parameters(
+    lm: Any, params: list[torch.nn.Parameter], config: TrainConfig
+) -> list[torch.nn.Parameter]:
+    """The parameters the optimizer steps: ``params``, except that each one ``scale_only``
+    finds is frozen and multiplied by a new scalar factor (starting at 1) that is trained in
+    its place. ``fold_scales`` writes the products back before saving."""
+    names = scale_only_targets(lm, params, config)
+    if not names:
+        return params
+    from torch.nn.utils import parametrize
+
+    for name in names:
+        module_name, _, attr = name.rpartition(".")
+        module = lm.get_submodule(module_name)
+        getattr(module, attr).requires_grad_(False)
+        parametrize.register_parametrization(module, attr, _Scale())
+    return [p for p in lm.parameters() if p.requires_grad]
+
+
+def fold_scales(lm: Any) -> None:
+    """Replace each ``scale_only`` tensor by ``factor * W``, leaving plain parameters again."""
+    from torch.nn.utils import parametrize
+
+    for module in list(lm.modules()):
+        if parametrize.is_parametrized(module):
+            for attr in list(module.parametrizations.keys()):
+                parametrize.remove_parametrizations(module, attr, leave_parametrized=True)
+
+
 def lr_param_groups(
     lm: Any, params: list[torch.nn.Parameter], config: TrainConfig
 ) -> list[dict[str, Any]]:
@@ -278,7 +334,9 @@ def check_parameter_choice(model_dir: str | Path, config: TrainConfig) -> None:
             lm = AutoModelForCausalLM.from_config(model_config)
     except (OSError, ValueError, KeyError, TypeError):
         return
-    lr_param_groups(lm, trained_parameters(lm, config.train_params), config)
+    params = trained_parameters(lm, config.train_params)
+    scale_only_targets(lm, params, config)
+    lr_param_groups(lm, params, config)
 
 
 def _batch_metrics(batch: Batch) -> dict[str, float | None]:
@@ -453,6 +511,10 @@ def train(
     pad_id = text_config.pad_token_id if text_config.pad_token_id is not None else 0
     scorer = TokenScorer(lm, temperature=config.temperature, chunk=config.logprob_chunk)
     params = trained_parameters(lm, config.train_params)
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    if fsdp and config.scale_only:
+        raise TrainError("scale_only: not built for FSDP; leave it empty there")
+    params = scale_only_parameters(lm, params, config)
     groups = lr_param_groups(lm, params, config)
     group_patterns = [pattern for pattern, _ in config.lr_group_entries()]  # sort the moments
     optimizer = torch.optim.AdamW(
@@ -465,7 +527,6 @@ def train(
     state = _read_state(model_dir) if config.resume else {}
     # FSDP shards the optimizer state over processes; saving and loading it sharded is not built,
     # so FSDP runs restart the Adam moments at every call (said on stderr)
-    fsdp = accelerator.distributed_type == DistributedType.FSDP
     if fsdp:
         say("FSDP: the optimizer state is neither loaded nor saved (not built yet)")
     if config.resume and not fsdp and (model_dir / OPTIMIZER_FILE).is_file():
@@ -476,6 +537,13 @@ def train(
             raise TrainError(
                 f"{model_dir / OPTIMIZER_FILE}: saved for train_params {saved!r}, not "
                 f"{config.train_params!r}; train the same parameters, or resume=false"
+            )
+        # a scalar factor's moments are not a whole tensor's
+        saved_scale = state.get("scale_only", "")
+        if saved_scale != config.scale_only:
+            raise TrainError(
+                f"{model_dir / OPTIMIZER_FILE}: saved for scale_only {saved_scale!r}, not "
+                f"{config.scale_only!r}; train the same way, or resume=false"
             )
         # and lr_groups' regexes sort them into the groups (their lrs may change)
         saved_groups = state.get("lr_group_patterns", [])
@@ -722,7 +790,9 @@ def train(
         "samples": len(batch.samples),
         "train_params": config.train_params,  # whose moments optimizer.pt holds
         "lr_group_patterns": group_patterns,  # and how they are grouped
+        "scale_only": config.scale_only,  # and which of them as one scalar each
     }
+    fold_scales(accelerator.unwrap_model(scorer).lm)
     save_checkpoint(
         accelerator,
         scorer,
