@@ -127,12 +127,12 @@ def default_scale_only(train_params: str) -> str:
     return LOOP_TRAIN_PARAMS if train_params == LOOP_TRAIN_PARAMS else ""
 
 
-def default_lr(train_params: str, scale_only: str | None = None) -> float:
-    """The loop's learning rate when neither ``--lr`` nor an ``lr=`` override is given."""
+def default_lr(train_params: str, scale_only: str) -> float:
+    """The loop's learning rate when neither ``--lr`` nor an ``lr=`` override is given, for the
+    trained parameters and (resolved) ``scale_only``."""
     if train_params != LOOP_TRAIN_PARAMS:
         return LOOP_LR_ALL
-    scale = default_scale_only(train_params) if scale_only is None else scale_only
-    return LOOP_LR_SCALE if scale else LOOP_LR
+    return LOOP_LR_SCALE if scale_only else LOOP_LR
 
 
 @dataclass(kw_only=True)
@@ -155,7 +155,7 @@ class LoopConfig:
     steps_per_iteration: int = 1
     # parameters trained (a regular expression over their names); "" = all of them
     train_params: str = LOOP_TRAIN_PARAMS
-    lr: float | None = None  # None: an ``lr=`` override, else default_lr(train_params)
+    lr: float | None = None  # None: an ``lr=`` override, else default_lr(...)
     # other lrs for some of the trained parameters (the trainer's lr_groups: REGEX=LR entries)
     lr_groups: str = ""
     # of those, the ones trained through one scalar factor each (the trainer's scale_only);
@@ -233,7 +233,7 @@ class LoopConfig:
                 lr=(
                     self.lr
                     if self.lr is not None or "lr" in overridden
-                    else default_lr(self.train_params, self.scale_only)
+                    else default_lr(self.train_params, self.resolved_scale_only())
                 ),
                 algorithm=self.algorithm,
             )

@@ -323,8 +323,8 @@ def lr_param_groups(
 
 
 def check_parameter_choice(model_dir: str | Path, config: TrainConfig) -> None:
-    """Raise TrainError, as ``train`` would, when ``train_params`` or an ``lr_groups`` entry
-    takes no parameter of the model in ``model_dir``; only its names are built (meta device).
+    """Raise TrainError, as ``train`` would, when ``train_params``, ``scale_only`` or an
+    ``lr_groups`` entry takes no parameter of the model in ``model_dir``; only its names are built (meta device).
     A model that cannot be built this way is not checked here: ``train`` says what is wrong."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
