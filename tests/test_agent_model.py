@@ -1,5 +1,5 @@
 """`fixtures/models/tiny-agent` and the transcripts it was supervised on
-(`fixtures/make_agent_model.py`).
+(`experiments/make_agent_model.py`, its bugs from `fixtures/bugs.py`).
 
 * The transcripts never show a held-out bug, and each one really fixes its bug.
 * Their token ids are exactly what the proxy records when the real `mini` harness runs those
@@ -15,12 +15,14 @@ import asyncio
 import json
 import math
 import random
-import sys
 from itertools import groupby
 from pathlib import Path
 
 import pytest
 
+from experiments import make_agent_model as mam
+from fixtures import bugs as bug_gen
+from fixtures import make_tasks as mt
 from legorl.align import align
 from legorl.engines import make_engine
 from legorl.harnesses import make_harness
@@ -35,15 +37,11 @@ ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "fixtures" / "tasks"
 AGENT = ROOT / "fixtures" / "models" / "tiny-agent"
 BASE = ROOT / "fixtures" / "models" / "tiny-qwen3"
-sys.path.insert(0, str(ROOT / "fixtures"))
-
-import make_agent_model as mam  # noqa: E402
-import make_tasks as mt  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def bugs() -> list[mam.Solved]:
-    solved, _ = mam.collect_bugs()
+def bugs() -> list[bug_gen.Solved]:
+    solved, _ = bug_gen.collect_bugs()
     return solved
 
 
@@ -59,9 +57,9 @@ def _changed_line(patch: str, sign: str) -> str:
     )
 
 
-def test_transcripts_never_show_a_heldout_bug(bugs: list[mam.Solved]) -> None:
+def test_transcripts_never_show_a_heldout_bug(bugs: list[bug_gen.Solved]) -> None:
     rng = random.Random(0)
-    renamed = [c for c in (mam.renamed(s, rng) for s in bugs) if c is not None]
+    renamed = [c for c in (bug_gen.renamed(s, rng) for s in bugs) if c is not None]
     shown = {(s.buggy_line.strip(), s.fixed_line.strip()) for s in bugs + renamed}
     texts = {s.problem for s in bugs + renamed}
     train_ids = {t.instance_id for t in _tasks("train")}
@@ -75,8 +73,8 @@ def test_transcripts_never_show_a_heldout_bug(bugs: list[mam.Solved]) -> None:
     assert len(renamed) > len(bugs) // 2
 
 
-def test_every_transcript_fixes_its_bug(bugs: list[mam.Solved]) -> None:
-    sources = {m.name: mt._code(m.source) for m in mt.MODULES}
+def test_every_transcript_fixes_its_bug(bugs: list[bug_gen.Solved]) -> None:
+    sources = {m.name: mt._code(m.source) for m in mt.modules()}
     for s in bugs:
         assert s.buggy_source.count(s.buggy_line) == 1, s
         assert s.buggy_source.replace(s.buggy_line, s.fixed_line) == sources[s.module], s
@@ -91,16 +89,16 @@ def test_every_transcript_fixes_its_bug(bugs: list[mam.Solved]) -> None:
 
 
 @pytest.mark.parametrize("random_names", [False, True])
-def test_renamed_copies_stay_consistent(bugs: list[mam.Solved], random_names: bool) -> None:
+def test_renamed_copies_stay_consistent(bugs: list[bug_gen.Solved], random_names: bool) -> None:
     rng = random.Random(1)
-    pool = mam.word_pieces() if random_names else None
+    pool = bug_gen.word_pieces() if random_names else None
     for s in bugs[:60]:
-        copy = mam.renamed(s, rng, pool)
+        copy = bug_gen.renamed(s, rng, pool)
         if copy is None:
             continue
         assert copy.module != s.module and f"`{copy.function}`" in copy.problem
         assert copy.buggy_source.count(copy.buggy_line) == 1
-        assert copy.buggy_line in mam.function_view(copy.buggy_source, copy.function)
+        assert copy.buggy_line in bug_gen.function_view(copy.buggy_source, copy.function)
         # the fix still changes exactly the one line
         before = copy.buggy_source.splitlines()
         after = copy.buggy_source.replace(copy.buggy_line, copy.fixed_line).splitlines()
@@ -113,13 +111,13 @@ def _shown_call(problem: str) -> str:
 
 
 def test_procedural_bugs_are_real_fresh_and_never_a_heldout_fix() -> None:
-    pool = mam.word_pieces()
-    generated = mam.procedural_bugs(140, 5, pool=pool)
-    again = mam.procedural_bugs(140, 5, pool=pool)
+    pool = bug_gen.word_pieces()
+    generated = bug_gen.procedural_bugs(140, 5, pool=pool)
+    again = bug_gen.procedural_bugs(140, 5, pool=pool)
     assert generated == again  # the same seed, the same bugs
-    families = {f: sum(s.family == f for s in generated) for f in mam.FAMILIES}
-    assert families == {f: 20 for f in mam.FAMILIES}
-    toy = mam.toy_names()
+    families = {f: sum(s.family == f for s in generated) for f in bug_gen.FAMILIES}
+    assert families == {f: 20 for f in bug_gen.FAMILIES}
+    toy = bug_gen.toy_names()
     heldout_fixes = {
         (_changed_line(t.patch, "-"), _changed_line(t.patch, "+")) for t in _tasks("heldout")
     }
@@ -127,7 +125,7 @@ def test_procedural_bugs_are_real_fresh_and_never_a_heldout_fix() -> None:
         assert s.origin == "procedural" and s.module not in toy and s.function not in toy
         assert (s.buggy_line.strip(), s.fixed_line.strip()) not in heldout_fixes
         assert s.buggy_source.count(s.buggy_line) == 1
-        assert s.buggy_line in mam.function_view(s.buggy_source, s.function)
+        assert s.buggy_line in bug_gen.function_view(s.buggy_source, s.function)
         fixed = s.buggy_source.replace(s.buggy_line, s.fixed_line)
         call = _shown_call(s.problem)
         assert call.startswith(f"{s.function}(") and f">>> from {s.module} import " in s.problem
@@ -142,14 +140,14 @@ def test_procedural_bugs_are_real_fresh_and_never_a_heldout_fix() -> None:
 
 
 def test_transcript_tokens_are_what_the_proxy_records_in_a_real_run(
-    tmp_path: Path, bugs: list[mam.Solved]
+    tmp_path: Path, bugs: list[bug_gen.Solved]
 ) -> None:
     tok = ChatTokenizer(BASE)
     by_id = {t.instance_id: t for t in _tasks("train")}
     chosen = [s for s in bugs if s.origin.startswith("task:")][:2]
     assert len(chosen) == 2
 
-    async def run(s: mam.Solved) -> Trajectory:
+    async def run(s: bug_gen.Solved) -> Trajectory:
         task = by_id[s.origin.removeprefix("task:")]
         # forced: a fake engine shipping in the package, replaying the transcript's turns
         script = [{"text": mam._call_text(name, args)} for name, args, _ in mam.transcript(s)]
@@ -245,7 +243,7 @@ def test_cached_system_turn_gives_the_same_logits_and_training_goes_on_from_weig
     from transformers import AutoModelForCausalLM
 
     tok = ChatTokenizer(BASE)
-    seqs = [mam.encode(tok, s) for s in mam.procedural_bugs(3, 1)]
+    seqs = [mam.encode(tok, s) for s in bug_gen.procedural_bugs(3, 1)]
     prefix = mam._shared_prefix(seqs)
     ids, _, _ = mam._padded(seqs, prefix, 0.25, "cpu")
     model = AutoModelForCausalLM.from_pretrained(AGENT).eval()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -28,10 +29,10 @@ from legorl.tasks import PatchError, TaskError, apply_patch, checkout
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS_DIR = ROOT / "fixtures" / "tasks"
-# suite folder -> the script that builds it
+# suite folder -> the generator that builds it (python -m fixtures.NAME)
 SUITES = {
-    "tasks": "make_tasks.py",
-    "tasks-generated": "make_generated_tasks.py",
+    "tasks": "make_tasks",
+    "tasks-generated": "make_generated_tasks",
 }
 SPLITS = ("train", "heldout")
 FAMILIES = {
@@ -61,27 +62,28 @@ def _all(tasks: dict[str, list[Task]]) -> list[Task]:
 
 @pytest.mark.slow
 def test_generator_reproduces_the_committed_jsonl(suite: Path, tmp_path: Path) -> None:
-    script = ROOT / "fixtures" / SUITES[suite.name]
+    generator = f"fixtures.{SUITES[suite.name]}"
     proc = subprocess.run(
-        [sys.executable, str(script), "--out", str(tmp_path)],
+        [sys.executable, "-m", generator, "--out", str(tmp_path)],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
-    for split in SPLITS:
-        name = f"{split}.jsonl"
+    for name in [f"{split}.jsonl" for split in SPLITS] + ["README.md"]:
         assert (tmp_path / name).read_bytes() == (suite / name).read_bytes(), (
             f"{suite.name}/{name} differs from the committed one; rebuild it with"
-            f" python fixtures/{script.name}"
+            f" python -m {generator}"
         )
 
 
 def test_generated_suite_builder_refuses_a_count_below_one_held_out_task(tmp_path: Path) -> None:
-    script = ROOT / "fixtures" / "make_generated_tasks.py"
     proc = subprocess.run(
-        [sys.executable, str(script), "--out", str(tmp_path / "out"), "--count", "3"],
+        [sys.executable, "-m", "fixtures.make_generated_tasks"]
+        + ["--out", str(tmp_path / "out"), "--count", "3"],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
@@ -254,3 +256,19 @@ def test_every_task_fails_before_and_passes_after_the_gold_patch(
         results = pool.map(lambda task: _check_task(task, suite, tmp_path), _all(tasks))
         problems = [problem for result in results for problem in result]
     assert not problems, f"{len(problems)} problem(s):\n" + "\n".join(problems)
+
+
+def test_task_sources_are_read_from_files_and_a_bad_one_is_named(tmp_path: Path) -> None:
+    from fixtures import make_tasks as mt
+
+    folder = tmp_path / "geometry"
+    shutil.copytree(mt.SOURCES / "geometry", folder)
+    assert mt.read_module(folder) == mt.modules()[0]  # the control: an unchanged copy reads
+    spec = folder / "bugs.toml"
+    count = len(mt.modules()[0].bugs)
+    spec.write_text(spec.read_text() + '\n[[bug]]\nfunction = "distance"\n')
+    with pytest.raises(mt.SpecError, match=rf"{re.escape(str(spec))}: bug {count + 1} needs"):
+        mt.read_module(folder)
+    spec.write_text("summary = \n")
+    with pytest.raises(mt.SpecError, match=re.escape(str(spec))):
+        mt.read_module(folder)

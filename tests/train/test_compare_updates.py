@@ -1,19 +1,15 @@
-"""`fixtures/compare_updates.py`: trainer updates compared side by side on one batch of samples,
+"""`experiments/compare_updates.py`: trainer updates compared side by side on one batch of samples,
 each checkpoint scored on fresh generated bugs by a real forward pass."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from train_helpers import ROOT, make_samples
 
+from experiments import compare_updates
 from legorl.records import to_json
-
-sys.path.insert(0, str(ROOT / "fixtures"))
-
-import compare_updates
 
 AGENT = ROOT / "fixtures" / "models" / "tiny-agent"
 

@@ -1,18 +1,15 @@
-"""`fixtures/scale_final_norm.py`: a copy whose logits are the original's times the factor, the
+"""`experiments/scale_final_norm.py`: a copy whose logits are the original's times the factor, the
 same as sampling the original at temperature 1 / factor (checked with a real forward pass)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from train_helpers import ROOT
 
-sys.path.insert(0, str(ROOT / "fixtures"))
-
-import scale_final_norm
+from experiments import scale_final_norm
 
 AGENT = ROOT / "fixtures" / "models" / "tiny-agent"
 
