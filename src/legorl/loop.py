@@ -95,30 +95,15 @@ class LoopError(RuntimeError):
     """A stage failed in a way the loop cannot go on from; the message says which."""
 
 
-# What the loop trains by default: the final RMSNorm's gains (192 numbers in tiny-agent), the rest
-# of the model frozen. With 64 episodes a step, a step on all 3.3 M parameters is mostly noise
-# from the few tasks in the batch: measured on 240 rollouts of the start policy (see the README),
-# every full-parameter step large enough to move the model lowered its likelihood of solving
-# fresh bugs, while steps on the final norm alone raised it. The policy gradient still chooses
-# the direction; it is averaged over every task because these gains are shared by all of them.
-# (Every parameter at 3e-5 with the final norm at 0.4, through lr_groups, did worse over three
-# seeds: see the README.)
+# The final RMSNorm's gains, the rest frozen: a step of 64 episodes is too little signal for
+# every parameter (measured in docs/experiments.md, "One step side by side").
 LOOP_TRAIN_PARAMS = r"^model\.norm\."
-# The learning rates when none is given. Adam's step is about lr per parameter early on, so the
-# final norm's gains (about 1.7) take 0.4 (measured side by side on the demo, see the README),
-# while every parameter at once takes 1e-4 (measured with tiny-agent at one step per iteration
-# on a fixed set of 16 train tasks, 6 iterations of 64 runs: 1e-5 left the reward flat, 1e-4
-# raised it (0.20 -> 0.37 and 0.23 -> 0.39, two seeds), 3e-4 did not, 1e-3 collapsed it; on the
-# generated tasks 3e-4 broke the tool-call format within two steps). Any other --train-params
-# gets LOOP_LR_ALL too.
+# The default lr: those gains through one common factor (scale_only), moved about lr a step.
+LOOP_LR_SCALE = 0.1
+# The lr of those gains one by one (--scale-only ''), and of any other train_params
+# (docs/experiments.md, "The final norm's gains one by one" and "Earlier defaults").
 LOOP_LR = 0.4
 LOOP_LR_ALL = 1e-4
-# By default those gains are trained through one common factor (the trainer's scale_only), a
-# learned inverse temperature: element-wise, each of the 192 gains takes a step of about lr per
-# iteration whatever its share of the signal, and the step's noise outgrows its sharpening
-# (measured in the README). Adam moves the factor by about lr a step: 0.1 lets 16 iterations
-# multiply it by up to 1.1 ** 16 = 4.6 where the reward keeps asking for it.
-LOOP_LR_SCALE = 0.1
 
 
 def default_scale_only(train_params: str) -> str:
