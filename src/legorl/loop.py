@@ -106,6 +106,27 @@ LOOP_LR = 0.4
 LOOP_LR_ALL = 1e-4
 
 
+# The default model and tasks live in the source checkout's fixtures/, not in the wheel
+# (tiny-agent alone is 13 MB): a checkout finds them from any folder, a wheel says where to look.
+DEFAULT_MODEL = Path("fixtures/models/tiny-agent")
+DEFAULT_TASKS = Path("fixtures/tasks-generated")
+FIXTURES_HINT = (
+    "the default model and tasks are in the source repository's fixtures/, not in the wheel: "
+    "run from a clone of the repository, or give --model DIR and --tasks-dir DIR"
+)
+_CHECKOUT = Path(__file__).resolve().parents[2]  # the repository root when installed editable
+
+
+def checkout_path(path: Path) -> Path:
+    """``path``; or, when it is a relative ``fixtures/…`` path missing from the current folder,
+    the same path in the source checkout this module runs from, if that has it."""
+    path = Path(path)
+    if path.is_absolute() or path.exists() or path.parts[:1] != ("fixtures",):
+        return path
+    there = _CHECKOUT / path
+    return there if there.exists() else path
+
+
 def default_scale_only(train_params: str) -> str:
     """What the loop trains as one factor when ``--scale-only`` is not given: the final norm
     with the default ``train_params``, else nothing."""
@@ -122,8 +143,8 @@ def default_lr(train_params: str, scale_only: str) -> float:
 
 @dataclass(kw_only=True)
 class LoopConfig:
-    model: Path = Path("fixtures/models/tiny-agent")
-    tasks_dir: Path = Path("fixtures/tasks-generated")  # holds train.jsonl and heldout.jsonl
+    model: Path = DEFAULT_MODEL
+    tasks_dir: Path = DEFAULT_TASKS  # holds train.jsonl and heldout.jsonl
     out: Path = Path("runs/loop")
     iterations: int = 16
     group_size: int = 4  # samples per task in a training iteration
@@ -150,6 +171,10 @@ class LoopConfig:
     train_overrides: list[str] = field(default_factory=list)  # TrainConfig key=value
     timeout: float = 300.0  # seconds per harness run
     device: str = "auto"  # the engine's: auto, cpu, cuda, cuda:1, …
+
+    def __post_init__(self) -> None:
+        self.model = checkout_path(self.model)
+        self.tasks_dir = checkout_path(self.tasks_dir)
 
     def validate(self) -> None:
         """Raise ``LoopConfigError`` naming the first bad field."""
@@ -178,13 +203,19 @@ class LoopConfig:
         if self.sandbox not in SANDBOXES:
             known = ", ".join(sorted(SANDBOXES))
             raise LoopConfigError("sandbox", f"expected one of {known}, got {self.sandbox!r}")
+        hint = {
+            name: f"; {FIXTURES_HINT}"
+            if Path(getattr(self, name)).parts[:1] == ("fixtures",)
+            else ""
+            for name in ("model", "tasks_dir")
+        }
         if not (Path(self.model) / "config.json").is_file():
-            raise LoopConfigError("model", f"{self.model}: not a model folder (no config.json)")
+            problem = f"{self.model}: not a model folder (no config.json){hint['model']}"
+            raise LoopConfigError("model", problem)
         for split in ("train", "heldout"):
             if not (Path(self.tasks_dir) / f"{split}.jsonl").is_file():
-                raise LoopConfigError(
-                    "tasks_dir", f"{Path(self.tasks_dir) / f'{split}.jsonl'}: no such task file"
-                )
+                problem = f"{Path(self.tasks_dir) / f'{split}.jsonl'}: no such task file"
+                raise LoopConfigError("tasks_dir", problem + hint["tasks_dir"])
         self.train_config()
 
     def train_config(self) -> TrainConfig:
