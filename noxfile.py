@@ -1,7 +1,7 @@
 """nox sessions: the README's two commands and the checks around them.
 
 nox -s tests    # the whole suite, CPU
-nox -s lint     # ruff + mypy on src/
+nox -s lint     # ruff + mypy on src/legorl and cli/
 nox -s bench    # writes bench.json: legorl beside its baselines, as ratios
 nox -s demo     # the main job: `legorl loop` on the embedded default (CPU, local sandboxes)
 """
@@ -30,7 +30,7 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    """ruff on everything, mypy on the library (installed, so its imports are typed too)."""
+    """ruff on everything; mypy on the library and cli/ (installed, so their imports are typed)."""
     _install(session)
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from legorl.cli._common import Inputs, Out, SkipBad, console, fail, iter_inputs
 
 from legorl.records import JsonlWriter, Trajectory
+
+from ._common import Inputs, Out, SkipBad, console, fail, iter_inputs
 
 HELP = "Turn graded trajectories into token-exact training samples (--check: fidelity)."
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from legorl.cli._common import Inputs, Out, SkipBad, fail, iter_inputs
 
 from legorl.records import SHORT_NAMES, JsonlWriter
+
+from ._common import Inputs, Out, SkipBad, fail, iter_inputs
 
 
 def cat(

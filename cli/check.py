@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from legorl.cli._common import console, fail
+
+from ._common import console, fail
 
 HELP = "Preflight validation of a run: model, template, engine, proxy, sandbox, tasks."
 

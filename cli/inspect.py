@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from legorl.cli._common import console, fail
+
+from ._common import console, fail
 
 HELP = "Live trajectory, sample and metric viewer (Textual)."
 

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
-from legorl.cli._common import console, fail
+
+from ._common import console, fail
 
 if TYPE_CHECKING:
     from legorl.loop import LoopResult
@@ -126,7 +127,7 @@ def loop(
     except LoopConfigError as exc:
         _bad(exc)
 
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -137,7 +138,7 @@ def loop(
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
     with Progress(*columns, console=console, transient=True) as bar:
-        shown: dict[str, int] = {}
+        shown: dict[str, TaskID] = {}
 
         def progress(phase: str, done: int, total: int) -> None:
             if phase not in shown:

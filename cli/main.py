@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from legorl.cli import align, cat, check, inspect, loop, proxy, rollout, sandbox, train, verify
 
 from legorl import __version__
+
+from . import align, cat, check, inspect, loop, proxy, rollout, sandbox, train, verify
 
 app = typer.Typer(
     name="legorl",

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from legorl.cli._common import console, fail, key_values
+
+from ._common import console, fail, key_values
 
 HELP = "Token-faithful LLM proxy: serve the engine, or intercept harness traffic."
 

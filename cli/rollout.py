@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from legorl.cli._common import console, fail, key_values
+
+from ._common import console, fail, key_values
 
 HELP = "Run a harness on tasks in sandboxes through the proxy; writes trajectories."
 
@@ -104,7 +105,7 @@ def rollout(
     )
 
     async def main() -> None:
-        kwargs = dict(
+        kwargs: dict[str, Any] = dict(
             harness=agent,
             backend=backend,
             tasks_dir=tasks.parent,

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from legorl.cli._common import console, fail
+
+from ._common import console, fail
 
 HELP = "Build, list and clean the layered sandbox image cache; run a command in a sandbox."
 

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from legorl.cli._common import SkipBad, console, fail, iter_inputs
 
 from legorl.records import JsonlWriter, Metric, Sample
+
+from ._common import SkipBad, console, fail, iter_inputs
 
 HELP = "One or more policy-gradient steps (GSPO, GRPO, Dr.GRPO) on samples."
 

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from legorl.cli._common import Inputs, Out, SkipBad, console, fail, iter_inputs
+
+from ._common import Inputs, Out, SkipBad, console, fail, iter_inputs
 
 HELP = "Grade trajectories' patches in a fresh sandbox; adds reward, verdict and hack flags."
 
