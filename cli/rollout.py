@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 from pathlib import Path
 from typing import Annotated, Any
@@ -46,7 +47,8 @@ def rollout(
         Path | None, typer.Option(help="With --proxy: the folder it writes Turns to.")
     ] = None,
     proxy_token: Annotated[
-        str | None, typer.Option(help="With --proxy: its admin token (opens sessions).")
+        str | None,
+        typer.Option(help="With --proxy: its admin token (default: $LEGORL_ADMIN_TOKEN)."),
     ] = None,
     sandbox: Annotated[str, typer.Option(help="docker | local")] = "local",
     harness_opt: Annotated[
@@ -82,6 +84,14 @@ def rollout(
         fail("rollout", "give --model (in-process proxy) or --proxy URL with --proxy-turns", 2)
     if proxy is not None and proxy_turns is None:
         fail("rollout", "--proxy needs --proxy-turns: the folder that proxy writes Turns to", 2)
+    proxy_token = proxy_token or os.environ.get("LEGORL_ADMIN_TOKEN")
+    if proxy is not None and not proxy_token:
+        fail(
+            "rollout",
+            "--proxy needs --proxy-token (or $LEGORL_ADMIN_TOKEN): each run's session is opened "
+            "through the proxy's admin API, reachable by that run's sandbox alone",
+            2,
+        )
     try:
         agent = make_harness(harness, **key_values("rollout", "--harness-opt", harness_opt))
         backend = make_backend(sandbox)
@@ -104,7 +114,7 @@ def rollout(
     )
 
     async def main() -> None:
-        kwargs = dict(
+        kwargs: dict[str, Any] = dict(
             harness=agent,
             backend=backend,
             tasks_dir=tasks.parent,
@@ -133,7 +143,7 @@ def rollout(
                     )
 
             if proxy is not None:
-                assert proxy_turns is not None
+                assert proxy_turns is not None and proxy_token
                 await consume(
                     remote_proxy(proxy, proxy_turns, proxy_token), served_model or "legorl"
                 )
