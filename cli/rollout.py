@@ -71,7 +71,7 @@ def rollout(
     from legorl.monitors import Monitor, MonitorStop
     from legorl.protocols import Limits, SandboxError
     from legorl.records import JsonlWriter
-    from legorl.rollout import Progress, finished_ids, plan_runs, remote_proxy
+    from legorl.rollout import Progress, SessionOpenError, finished_ids, plan_runs, remote_proxy
     from legorl.rollout import rollout as run_all
     from legorl.sandbox import make_backend
     from legorl.tasks import TaskError, load_tasks
@@ -113,6 +113,14 @@ def rollout(
         alerts_path=(out.parent if out else Path.cwd()) / "alerts.jsonl", strict=strict
     )
 
+    remote = None
+    if proxy is not None:
+        assert proxy_turns is not None and proxy_token
+        try:
+            remote = remote_proxy(proxy, proxy_turns, proxy_token)
+        except SessionOpenError as exc:
+            fail("rollout", f"--proxy: {exc}")
+
     async def main() -> None:
         kwargs: dict[str, Any] = dict(
             harness=agent,
@@ -142,11 +150,8 @@ def rollout(
                         ),
                     )
 
-            if proxy is not None:
-                assert proxy_turns is not None and proxy_token
-                await consume(
-                    remote_proxy(proxy, proxy_turns, proxy_token), served_model or "legorl"
-                )
+            if remote is not None:
+                await consume(remote, served_model or "legorl")
                 return
             from legorl.engines import make_engine
             from legorl.rollout import inprocess_proxy

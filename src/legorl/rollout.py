@@ -330,11 +330,24 @@ async def inprocess_proxy(
 
 def remote_proxy(url: str, turns_dir: Path, admin_token: str) -> ProxyEndpoint:
     """A proxy already running elsewhere on this machine (``legorl proxy serve``; its Turn
-    files are in ``turns_dir``): sessions are opened through its admin API, with its token."""
+    files are in ``turns_dir``): sessions are opened through its admin API, with its token.
+
+    Raises ``SessionOpenError`` unless the proxy serves registered sessions only: on one that
+    also serves open sessions, any sandbox could create a session by naming it, and write Turns
+    under a name a run's file has (one closed before that proxy last restarted)."""
     import httpx
 
     base = url.rstrip("/")
     auth = {"authorization": f"Bearer {admin_token}"}
+    try:
+        health = httpx.get(f"{base}/healthz", timeout=30).json()
+    except (httpx.HTTPError, ValueError) as exc:
+        raise SessionOpenError(f"{base}/healthz: {exc}") from None
+    if not isinstance(health, dict) or health.get("open_sessions") is not False:
+        raise SessionOpenError(
+            f"the proxy at {base} serves open sessions, which a sandbox could name: start it "
+            "with --registered-only for a rollout"
+        )
 
     async def open_session(sid: str, main_system: str | None) -> SessionAccess:
         try:

@@ -2,8 +2,10 @@
 reachable only at the route it was handed, never by its bare id, an API key or a guessed
 secret, not even after it closed; answers do not tell a session that exists from one that does
 not; the admin routes need the admin token; the main system prompt is bound at open or by the
-session's own first call; a call still running when its id is reopened records nothing.
-Each defence has a control with the proxy's test-only switch ``isolate_sessions`` off.
+session's own first call; a call still running when its id is reopened records nothing; the
+rollout opens sessions on a remote proxy only with its admin token and only if it serves no
+open sessions. Each defence has a control with the proxy's test-only switch
+``isolate_sessions`` off.
 
 The engine is `forced`, a fake that ships in the package: it replays scripted completions and
 computes every log-prob with a real forward pass of the tiny model. (The same crossings from
@@ -224,7 +226,14 @@ def test_error_log_lines_leave_the_secret_out(
 
 
 def test_remote_proxy_opens_sessions_through_the_admin_api(tmp_path: Path) -> None:
-    with running_proxy(tmp_path, OK, admin_token="admin-secret") as proxy:
+    with (
+        running_proxy(tmp_path, OK, admin_token="admin-secret") as proxy,
+        pytest.raises(SessionOpenError, match="serves open sessions"),
+    ):
+        remote_proxy(proxy.url, tmp_path, "admin-secret")
+    with pytest.raises(SessionOpenError, match="healthz"):
+        remote_proxy("http://127.0.0.1:9", tmp_path, "admin-secret")
+    with running_proxy(tmp_path, OK, admin_token="admin-secret", open_sessions=False) as proxy:
         endpoint = remote_proxy(proxy.url + "/", tmp_path, "admin-secret")
 
         async def scenario() -> None:
@@ -246,25 +255,26 @@ def test_remote_proxy_opens_sessions_through_the_admin_api(tmp_path: Path) -> No
         assert [t.flags.aux for t in proxy.turns("r.0")] == [True]  # "agent" ≠ DECLARED
 
 
-def test_rollout_refuses_a_remote_proxy_without_its_admin_token(tmp_path: Path) -> None:
+def test_rollout_refuses_a_remote_proxy_it_cannot_isolate_runs_on(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "LEGORL_ADMIN_TOKEN"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "legorl.cli.main",
-            "rollout",
-            "--tasks",
-            str(ROOT / "fixtures" / "tasks" / "train.jsonl"),
-            "--proxy",
-            "http://127.0.0.1:9",
-            "--proxy-turns",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
-    assert proc.returncode == 2
-    assert "--proxy needs --proxy-token" in proc.stderr
+
+    def rollout(url: str, *extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [
+                *(sys.executable, "-m", "legorl.cli.main", "rollout"),
+                *("--tasks", str(ROOT / "fixtures" / "tasks" / "train.jsonl")),
+                *("--proxy", url, "--proxy-turns", str(tmp_path), *extra),
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+
+    no_token = rollout("http://127.0.0.1:9")
+    assert no_token.returncode == 2
+    assert "--proxy needs --proxy-token" in no_token.stderr
+    with running_proxy(tmp_path, OK, admin_token="admin-secret") as proxy:
+        open_proxy = rollout(proxy.url, "--proxy-token", "admin-secret")
+    assert open_proxy.returncode == 1
+    assert "serves open sessions" in open_proxy.stderr and "--registered-only" in open_proxy.stderr

@@ -52,6 +52,7 @@ from legorl.records import JsonlWriter, ToolCall, Turn, TurnFlags, TurnOutput
 _OPEN_TURN_FILES = 256  # Turn files kept open at once; older ones are reopened when needed
 _SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _ROUTE = re.compile(r"^(?:/s/(?P<session>[^/]+))?(?P<rest>/.*)?$")
+_NO_SECRET = secrets.token_hex(16)
 _CAPABILITY = re.compile(r"^(/s/[^/~]*~)[^/]*")  # a capability route's secret, for log lines
 _ENDPOINTS: dict[str, ApiName] = {
     "/v1/chat/completions": "openai_chat",
@@ -170,6 +171,7 @@ class ProxyCore:
             "engine": self.engine.name,
             "policy_version": self.engine.policy_version,
             "sessions": len(self.sessions),
+            "open_sessions": self.config.open_sessions,
             **self.stats,
         }
 
@@ -197,8 +199,11 @@ class ProxyCore:
         if from_path is not None and "~" in from_path:
             named, _, secret = from_path.partition("~")
             _check_id(named)
+            # Compared in constant time, against a stand-in when there is no such session, so
+            # neither the secret nor whether the id exists shows in the time to answer.
             expected = self._secrets.get(named)
-            if expected is None or not secrets.compare_digest(secret.encode(), expected.encode()):
+            matches = secrets.compare_digest(secret.encode(), (expected or _NO_SECRET).encode())
+            if expected is None or not matches:
                 raise _unknown(named)
             return self.sessions[named]
         sid = from_path
