@@ -301,7 +301,7 @@ async def inprocess_proxy(
     server = ProxyServer(core, "127.0.0.1", 0)
     await server.start()
 
-    async def open_session(sid: str, main_system: str | None) -> SessionAccess:
+    async def open_session(sid: str, main_system: str | None = None) -> SessionAccess:
         from legorl.proxy.chat import ApiError
 
         try:
@@ -349,7 +349,7 @@ def remote_proxy(url: str, turns_dir: Path, admin_token: str) -> ProxyEndpoint:
             "with --registered-only for a rollout"
         )
 
-    async def open_session(sid: str, main_system: str | None) -> SessionAccess:
+    async def open_session(sid: str, main_system: str | None = None) -> SessionAccess:
         try:
             async with httpx.AsyncClient() as client:
                 resp = await client.post(
