@@ -127,6 +127,8 @@ def attempts(victim: str, mangled: str, own: str, port: int) -> list[dict[str, A
         }
 
     pct = "".join(f"%{b:02X}" for b in victim.encode())
+    # A target the HTTP layer may refuse as malformed (400) or route to nothing (404).
+    trick = {400, 404}
     return [
         one("bare id", f"/s/{victim}{chat}", {404}),
         one("mangled secret", f"/s/{victim}~{mangled}{chat}", {404}),
@@ -140,15 +142,15 @@ def attempts(victim: str, mangled: str, own: str, port: int) -> list[dict[str, A
             headers={"x-api-key": victim, "anthropic-version": "2023-06-01"},
             body=_messages("ATTACKER"),
         ),
-        one("dot segments", f"{own}/../{victim}{chat}", {404}),
-        one("dot segments to /s", f"{own}/../../s/{victim}{chat}", {404}),
-        one("double slash", f"//s/{victim}{chat}", {404}),
-        one("nested route", f"{own}/s/{victim}{chat}", {404}),
-        one("percent-encoded id", f"/s/{pct}{chat}", {400, 404}),
-        one("percent-encoded s", f"/%73/{victim}{chat}", {404}),
-        one("percent-encoded tilde", f"/s/{victim}%7E{mangled}{chat}", {400, 404}),
-        one("percent-encoded slash", f"{own}%2F..%2F{victim}{chat}", {400, 404}),
-        one("absolute form", f"http://127.0.0.1:{port}/s/{victim}{chat}", {400, 404}),
+        one("dot segments", f"{own}/../{victim}{chat}", trick),
+        one("dot segments to /s", f"{own}/../../s/{victim}{chat}", trick),
+        one("double slash", f"//s/{victim}{chat}", trick),
+        one("nested route", f"{own}/s/{victim}{chat}", trick),
+        one("percent-encoded id", f"/s/{pct}{chat}", trick),
+        one("percent-encoded s", f"/%73/{victim}{chat}", trick),
+        one("percent-encoded tilde", f"/s/{victim}%7E{mangled}{chat}", trick),
+        one("percent-encoded slash", f"{own}%2F..%2F{victim}{chat}", trick),
+        one("absolute form", f"http://127.0.0.1:{port}/s/{victim}{chat}", trick),
         one("admin open", "/admin/sessions", {401}, body={"id": f"{victim}-2"}),
         one("admin close", f"/admin/sessions/{victim}", {401}, method="DELETE", body=None),
         one(
