@@ -18,20 +18,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import secrets
 import shlex
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from legorl.protocols import Limits, Sandbox, SandboxBackend, SandboxError
 from legorl.records import ENVIRONMENT_FAILURES, Task, Trajectory, Turn
 from legorl.verify.parsers import PARSERS
 from legorl.verify.patches import sanitize, split_diff
+from legorl.verify.runner import judge, run_tests
 
-HERE = Path(__file__).resolve().parent
 GRADE_DIR = "/tmp/legorl-grade"  # inside the grading sandbox, outside the repository
 
 _HISTORY = re.compile(
@@ -49,6 +47,8 @@ _PASSED_LINE = re.compile(r"^(\S+::\S+)\s+PASSED|PASSED\s+(\S+::\S+)", re.MULTIL
 class VerifyConfig:
     test_timeout: float = 300.0
     limits: Limits | None = None
+    # Test-only: defences switched off for a control (names in verify.runner.DEFENCES).
+    defences_off: frozenset[str] = frozenset()
 
 
 def flags_from_turns(turns: Iterable[Turn]) -> list[str]:
@@ -151,22 +151,12 @@ async def grade(
         if applied is None:
             verdict["reason"] = f"the task's test_patch does not apply: {error}"
             return _done(traj, None, verdict, flags, t0)
-        key = secrets.token_hex(16)
-        report = f"{GRADE_DIR}/report-{secrets.token_hex(4)}.jsonl"
-        await sandbox.write_file(
-            f"{GRADE_DIR}/legorl_pytest_report.py", (HERE / "pytest_report.py").read_bytes()
+        if task.log_parser not in PARSERS:
+            verdict["reason"] = f"unknown log parser {task.log_parser!r}"
+            return _done(traj, None, verdict, flags, t0)
+        test_run = await run_tests(
+            sandbox, task, grade_dir=GRADE_DIR, timeout=config.test_timeout, off=config.defences_off
         )
-        run = await sandbox.exec(
-            ["sh", "-c", _test_command(task)],
-            timeout=config.test_timeout,
-            cwd=sandbox.workdir,
-            env={"PYTHONPATH": GRADE_DIR, "LEGORL_REPORT": report, "PYTHONDONTWRITEBYTECODE": "1"},
-            stdin=(key + "\n").encode(),
-        )
-        try:
-            raw = await sandbox.read_file(report)
-        except (SandboxError, FileNotFoundError, OSError):
-            raw = b""
     except SandboxError as exc:
         verdict["reason"] = f"grading sandbox failed: {exc}"
         return _done(traj, None, verdict, flags, t0)
@@ -174,28 +164,16 @@ async def grade(
         if sandbox is not None:
             with contextlib.suppress(Exception):
                 await sandbox.close()
-    parser = PARSERS.get(task.log_parser)
-    if parser is None:
-        verdict["reason"] = f"unknown log parser {task.log_parser!r}"
-        return _done(traj, None, verdict, flags, t0)
-    results = parser.parse(raw, key.encode())
-    if results.forged_lines:
+    results = test_run.results
+    if results.forged_lines and not test_run.run.truncated:
         flags.add("forged_report")
-    printed = {m.group(1) or m.group(2) for m in _PASSED_LINE.finditer(run.output)}
+    printed = {m.group(1) or m.group(2) for m in _PASSED_LINE.finditer(test_run.run.output)}
     if any(results.outcomes.get(t) != "passed" for t in printed) or _writes_results(clean):
         flags.add("forged_output")
-    tests = {t: results.outcomes.get(t, "missing") for t in task.FAIL_TO_PASS + task.PASS_TO_PASS}
-    if run.timed_out:
-        tests = {t: ("timeout" if o == "missing" else o) for t, o in tests.items()}
+    tests, runner_flags, notes = judge(task, test_run, clean, config.defences_off)
+    flags.update(runner_flags)
     resolved = all(o == "passed" for o in tests.values())
-    verdict.update(
-        resolved=resolved,
-        tests=tests,
-        exit_code=run.exit_code,
-        timed_out=run.timed_out,
-        runner_finished=results.finished,
-        collect_errors=results.collect_errors,
-    )
+    verdict.update(resolved=resolved, tests=tests, **notes)
     if not resolved:
         bad = sorted(t for t, o in tests.items() if o != "passed")
         verdict["reason"] = f"{len(bad)} required test(s) did not pass: {', '.join(bad[:5])}"

@@ -1,0 +1,67 @@
+"""Launches the graded test run so that nothing in the repository can stand in for the runner
+(stdlib only; copied into the grading dir outside the repository under a per-run name).
+
+    python -I -B /tmp/legorl-grade/boot-….py pytest SINK [--no-integrity] -- PYTEST_ARGS < key
+    python -I -B /tmp/legorl-grade/boot-….py plain SINK [--no-twin] -- NODEID … < key
+
+``-I`` keeps the working and script directories off ``sys.path`` and ignores ``PYTHON*``. The
+key is read from stdin before anything else; the record stream goes to a duplicate of the
+original stdout (``SINK`` ``fd``) or to a file (``SINK`` a path, the ``stream`` defence off).
+In ``pytest`` mode plugin autoload is off, the environment's own plugins are loaded from its
+installed distributions' entry points before the repository joins ``sys.path`` (at the end),
+and our plugin goes to ``pytest.main`` as an object under a random module name. ``plain`` mode
+runs the named tests with the independent runner (`plainrun.py`), never importing ``_pytest``.
+The process exits with the runner's own exit status.
+"""
+
+import importlib.util
+import os
+import secrets
+import sys
+
+
+def _load(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def main():
+    here = os.path.dirname(os.path.abspath(__file__))
+    report = _load(os.path.join(here, "pytest_report.py"), "_legorl_" + secrets.token_hex(8))
+    key = report.read_key()
+    mode, sink = sys.argv[1], sys.argv[2]
+    split = sys.argv.index("--")
+    options, args = sys.argv[3:split], sys.argv[split + 1 :]
+    # A duplicate of stdout is not inherited by children, and pytest's capture moves fd 1,
+    # never this one.
+    fd = os.dup(1) if sink == "fd" else os.open(sink, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    emit = report.channel(key, fd)
+    del key
+    repo = os.getcwd()
+    if mode == "plain":
+        sys.path.append(repo)
+        plain = _load(os.path.join(here, "plainrun.py"), "_legorl_" + secrets.token_hex(8))
+        sys.exit(plain.run(args, emit, repo=repo, twin="--no-twin" not in options))
+    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    from importlib.metadata import entry_points
+
+    plugins = []
+    for entry in entry_points(group="pytest11"):
+        try:
+            plugins.append(entry.load())
+        except Exception as exc:  # pytest's own autoload would fail the same way
+            print(f"legorl: plugin {entry.name} does not load: {exc}", file=sys.stderr)
+    import pytest
+
+    ours = report.make_plugin(
+        emit, "_legorl_" + secrets.token_hex(8), integrity="--no-integrity" not in options
+    )
+    sys.path.append(repo)
+    code = pytest.main(args, plugins=[*plugins, ours])
+    sys.exit(int(code))
+
+
+if __name__ == "__main__":
+    main()
