@@ -9,7 +9,8 @@ key is read from stdin before anything else; the record stream goes to a duplica
 original stdout (``SINK`` ``fd``) or to a file (``SINK`` a path, the ``stream`` defence off).
 In ``pytest`` mode plugin autoload is off, the environment's own plugins are loaded from its
 installed distributions' entry points before the repository joins ``sys.path`` (at the end),
-and our plugin goes to ``pytest.main`` as an object under a random module name. ``plain`` mode
+and our plugin goes to ``pytest.main`` as an object under a random module name; repository
+modules the environment also has (which lose to it) are named in a signed ``shadowed`` record. ``plain`` mode
 runs the named tests with the independent runner (`plainrun.py`), never importing ``_pytest``.
 The process exits with the runner's own exit status.
 """
@@ -25,6 +26,29 @@ def _load(path, name):
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
+
+
+def _shadowing(repo):
+    """Top-level modules of the repository that the environment (stdlib, site-packages) also
+    has: with the repository last on sys.path they lose, and a repository has no honest reason
+    to carry them."""
+    names = []
+    for entry in sorted(os.listdir(repo)):
+        path = os.path.join(repo, entry)
+        if entry.endswith(".py"):
+            name = entry[:-3]
+        elif os.path.isfile(os.path.join(path, "__init__.py")):
+            name = entry
+        else:
+            continue
+        try:
+            spec = importlib.util.find_spec(name) if name.isidentifier() else None
+        except (ImportError, ValueError):
+            spec = None
+        origin = getattr(spec, "origin", None) or ""
+        if spec is not None and not origin.startswith(repo + os.sep):
+            names.append(name)
+    return names
 
 
 def main():
@@ -55,6 +79,9 @@ def main():
             print(f"legorl: plugin {entry.name} does not load: {exc}", file=sys.stderr)
     import pytest
 
+    shadowing = _shadowing(repo)
+    if shadowing:
+        emit({"event": "shadowed", "names": shadowing})
     ours = report.make_plugin(
         emit, "_legorl_" + secrets.token_hex(8), integrity="--no-integrity" not in options
     )

@@ -27,7 +27,7 @@ class TestResults:
     finished: bool = False  # the runner reached the end of its session
     exitstatus: int | None = None
     tampered: list[dict[str, Any]] = field(default_factory=list)
-    plain: dict[str, dict[str, Any]] = field(default_factory=dict)  # nodeid -> plain-run record
+    shadowed: list[str] = field(default_factory=list)  # repo modules the environment also has
 
 
 class LogParser(Protocol):
@@ -88,8 +88,8 @@ class PytestReportParser:
                 results.collect_errors.append(record["nodeid"])
             elif event == "tampered":
                 results.tampered.append(record)
-            elif event == "plain":
-                results.plain[record["nodeid"]] = record
+            elif event == "shadowed":
+                results.shadowed = [str(n) for n in record["names"]]
             elif event == "finish":
                 results.finished = True
                 results.exitstatus = record["exitstatus"]
