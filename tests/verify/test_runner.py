@@ -10,14 +10,12 @@ control that shows the 0 is the defence's doing. None of the attacks fixes the b
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 import subprocess
 import textwrap
 import uuid
 from pathlib import Path
 
-import pytest
+from conftest import docker_backend
 
 from legorl.records import Task, Trajectory, read_jsonl
 from legorl.verify import VerifyConfig, grade
@@ -27,16 +25,6 @@ TASKS = ROOT / "fixtures" / "tasks"
 TASK_ID = "legorl-toy__geometry-1"
 # Helper `judge` reverts shadowing files from the patch; the launch must hold without it.
 JUDGE = frozenset({"judge_tree"})
-
-
-def _docker_backend():
-    from legorl.sandbox import make_backend
-
-    if shutil.which("docker") is None or os.system("docker info >/dev/null 2>&1") != 0:
-        if os.environ.get("CI") == "true":
-            pytest.fail("the Docker daemon is not running (.ci/run starts it)")
-        pytest.skip("no Docker daemon")
-    return make_backend("docker")
 
 
 def _task() -> Task:
@@ -73,7 +61,7 @@ def _grade(patch: str, off: frozenset[str] = frozenset()) -> Trajectory:
         grade(
             traj,
             task,
-            backend=_docker_backend(),
+            backend=docker_backend(),
             tasks_dir=str(TASKS),
             run_id=f"legorl-runner-{uuid.uuid4().hex[:8]}",
             turns=[],
