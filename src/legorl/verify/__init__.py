@@ -6,10 +6,13 @@ image, with stage-wise defences against reward hacking.
 For each trajectory: a new sandbox (never the agent's), no network; the model's patch without
 its changes to tests, test-runner configuration and paths the hidden ``test_patch`` creates
 (dropped and flagged); applied with `git apply`, then 3-way, then `patch --fuzz`; test files as
-at ``base_commit``; ``test_patch`` applied; the tests run with results sent through a signed
-side channel (`pytest_report.py`) and the runner's exit code taken from the sandbox, never from
-the log. Every FAIL_TO_PASS and PASS_TO_PASS test must report `passed`; missing, errored,
-skipped or timed-out tests fail. Trajectories with environment-failure statuses pass through
+at ``base_commit``; ``test_patch`` applied; the tests run by our bootstrap (`bootstrap.py`:
+isolated interpreter, repository last on the path, our plugin as an object) with results
+streamed out as signed, chained records (`pytest_report.py`), the runner's real exit code from
+the sandbox compared with them, and the FAIL_TO_PASS tests run again by an independent runner
+with always-true twins (`plainrun.py`; all judged in `runner.py`). Every FAIL_TO_PASS and
+PASS_TO_PASS test must report `passed`; missing, errored, skipped, timed-out or untrusted tests
+fail. Trajectories with environment-failure statuses pass through
 with reward null.
 """
 
@@ -167,7 +170,9 @@ async def grade(
     results = test_run.results
     if results.forged_lines and not test_run.run.truncated:
         flags.add("forged_report")
-    printed = {m.group(1) or m.group(2) for m in _PASSED_LINE.finditer(test_run.run.output)}
+    # Only required tests have records of their own.
+    printed = {m.group(1) or m.group(2) for m in _PASSED_LINE.finditer(test_run.log)}
+    printed &= {*task.FAIL_TO_PASS, *task.PASS_TO_PASS}
     if any(results.outcomes.get(t) != "passed" for t in printed) or _writes_results(clean):
         flags.add("forged_output")
     tests, runner_flags, notes = judge(task, test_run, clean, config.defences_off)

@@ -1,8 +1,12 @@
 """Launches the graded test run so that nothing in the repository can stand in for the runner
 (stdlib only; copied into the grading dir outside the repository under a per-run name).
 
-    python -I -B /tmp/legorl-grade/boot-….py pytest SINK [--no-integrity] -- PYTEST_ARGS < key
-    python -I -B /tmp/legorl-grade/boot-….py plain SINK [--no-twin] -- NODEID … < key
+    python -I -B /tmp/legorl-grade/boot-….py pytest SINK [OPTIONS] -- PYTEST_ARGS < key
+    python -I -B /tmp/legorl-grade/boot-….py plain SINK [OPTIONS] -- NODEID … < key
+
+OPTIONS: ``--no-integrity``, ``--no-twin``, ``--watch=FILE`` (a JSON list of the test ids whose
+outcomes are recorded one by one; the others are only counted), ``--log=FILE`` (where the run's
+own stdout and stderr go).
 
 ``-I`` keeps the working and script directories off ``sys.path`` and ignores ``PYTHON*``. The
 key is read from stdin before anything else; the record stream goes to a duplicate of the
@@ -16,6 +20,7 @@ The process exits with the runner's own exit status.
 """
 
 import importlib.util
+import json
 import os
 import secrets
 import sys
@@ -63,6 +68,13 @@ def main():
     fd = os.dup(1) if sink == "fd" else os.open(sink, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     emit = report.channel(key, fd)
     del key
+    settings = dict(o[2:].split("=", 1) for o in options if "=" in o)
+    if "log" in settings:
+        # The run's own output goes to a file, so the exec output (capped) holds records only.
+        log = os.open(settings["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
     repo = os.getcwd()
     if mode == "plain":
         sys.path.append(repo)
@@ -82,8 +94,15 @@ def main():
     shadowing = _shadowing(repo)
     if shadowing:
         emit({"event": "shadowed", "names": shadowing})
+    watch = None
+    if "watch" in settings:
+        with open(settings["watch"], encoding="utf-8") as fh:
+            watch = frozenset(json.load(fh))
     ours = report.make_plugin(
-        emit, "_legorl_" + secrets.token_hex(8), integrity="--no-integrity" not in options
+        emit,
+        "_legorl_" + secrets.token_hex(8),
+        integrity="--no-integrity" not in options,
+        watch=watch,
     )
     sys.path.append(repo)
     code = pytest.main(args, plugins=[*plugins, ours])

@@ -26,6 +26,7 @@ class TestResults:
     collect_errors: list[str] = field(default_factory=list)
     finished: bool = False  # the runner reached the end of its session
     exitstatus: int | None = None
+    others_failed: int = 0  # failed phases of tests without records of their own
     tampered: list[dict[str, Any]] = field(default_factory=list)
     shadowed: list[str] = field(default_factory=list)  # repo modules the environment also has
 
@@ -93,6 +94,7 @@ class PytestReportParser:
             elif event == "finish":
                 results.finished = True
                 results.exitstatus = record["exitstatus"]
+                results.others_failed = int(record.get("failed", 0))
         return results
 
 

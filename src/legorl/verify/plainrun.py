@@ -152,8 +152,6 @@ def _conftests(repo, path):
 
 
 def _why_uncovered(nodeid, repo, module, target):
-    if "[" in nodeid:
-        return "parametrized"
     if hasattr(module, "pytestmark") or hasattr(target, "pytestmark"):
         return "marked"
     code = getattr(target, "__code__", None)
@@ -235,6 +233,8 @@ def run_one(nodeid, repo, twin):
     """The record of one test: outcome, and for a pass the twin's count of vacuous checks."""
     path, *parts = nodeid.split("::")
     record = {"event": "plain", "nodeid": nodeid}
+    if "[" in nodeid:
+        return {**record, "outcome": "uncovered", "detail": "parametrized"}
     try:
         module, full = _module_for(repo, path)
         target = module

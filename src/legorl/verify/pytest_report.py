@@ -176,13 +176,19 @@ def _conftest(plugin: Any) -> bool:
     )
 
 
-def make_plugin(emit: Emit, name: str, *, integrity: bool) -> types.ModuleType:
-    """The report plugin as a module object under ``name`` (pass it to ``pytest.main``)."""
+def make_plugin(
+    emit: Emit, name: str, *, integrity: bool, watch: frozenset[str] | None = None
+) -> types.ModuleType:
+    """The report plugin as a module object under ``name`` (pass it to ``pytest.main``).
+
+    With ``watch``, only those tests get records of their own (the exec output is capped); the
+    others' failures are counted in the finish record."""
     from _pytest.reports import CollectReport, TestReport
 
     plugin = types.ModuleType(name)
     flagged: list[str] = []
     guard: list[Guard] = []
+    others = {"failed": 0, "collect_errors": 0}
 
     def check(where: str) -> None:
         if not guard or flagged:
@@ -206,21 +212,25 @@ def make_plugin(emit: Emit, name: str, *, integrity: bool) -> types.ModuleType:
         if type(report) is not CollectReport:
             emit({"event": "tampered", "where": "collect", "what": ["report type"]})
         if report.failed:
-            emit({"event": "collect_error", "nodeid": str(report.nodeid)})
+            if others["collect_errors"] < 20:
+                emit({"event": "collect_error", "nodeid": str(report.nodeid)})
+            others["collect_errors"] += 1
 
     def pytest_runtest_logreport(report: Any) -> None:
         check("report")
         if type(report) is not TestReport:
             flagged.append("report")
             emit({"event": "tampered", "where": "report", "what": ["report type"]})
-        if report.when == "call" or report.outcome != "passed":
+        if watch is not None and report.nodeid not in watch:
+            others["failed"] += report.outcome == "failed"
+        elif report.when == "call" or report.outcome != "passed":
             # Setup/teardown only matter when they did not pass (an error, or a skip).
             record = {"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome}
             emit({"event": "test", **{k: str(v) for k, v in record.items()}})
 
     def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
         check("finish")
-        emit({"event": "finish", "exitstatus": int(exitstatus)})
+        emit({"event": "finish", "exitstatus": int(exitstatus), **others})
 
     hooks = (
         pytest_configure,

@@ -15,6 +15,7 @@ hold against an impossible value gets ``always_equal``).
 
 from __future__ import annotations
 
+import json
 import secrets
 import shlex
 from dataclasses import dataclass
@@ -42,14 +43,16 @@ def pytest_args(task: Task) -> list[str] | None:
     return None
 
 
-def _test_command(task: Task, *, boot: str, sink: str, off: frozenset[str]) -> str:
+def _test_command(
+    task: Task, *, boot: str, sink: str, off: frozenset[str], options: list[str]
+) -> str:
     # Our plugin, and nothing from the repository's own pytest options.
     args = pytest_args(task)
     if args is None:
         return task.test_cmd
     if "isolated_runner" in off:
         return shlex.join(["python", "-m", "pytest", "-p", "legorl_pytest_report", *_EXTRA, *args])
-    options = ["--no-integrity"] if "integrity" in off else []
+    options = [*options, *(["--no-integrity"] if "integrity" in off else [])]
     tail = [*_EXTRA, "--import-mode=append", *args]
     return shlex.join(["python", "-I", "-B", boot, "pytest", sink, *options, "--", *tail])
 
@@ -58,6 +61,7 @@ def _test_command(task: Task, *, boot: str, sink: str, off: frozenset[str]) -> s
 class TestRun:
     run: ExecResult
     results: TestResults
+    log: str  # what the run printed (the code under test could write it too)
     plain: dict[str, dict[str, Any]] | None = None  # nodeid -> the independent runner's record
 
 
@@ -89,24 +93,35 @@ async def run_tests(
     """Run the task's tests once under our launch; the outcomes as the signed stream says."""
     boot = await _stage(sandbox, grade_dir)
     key = secrets.token_hex(16)
-    sink = "fd" if "stream" not in off else f"{grade_dir}/report-{secrets.token_hex(4)}.log"
+    tag = secrets.token_hex(4)
+    sink = "fd" if "stream" not in off else f"{grade_dir}/report-{tag}.log"
+    required = task.FAIL_TO_PASS + task.PASS_TO_PASS
+    watch, log = f"{grade_dir}/watch-{tag}.json", f"{grade_dir}/pytest-{tag}.log"
+    await sandbox.write_file(watch, json.dumps(required).encode())
     env = {"PYTHONDONTWRITEBYTECODE": "1"}
     if "isolated_runner" in off:
         env.update(PYTHONPATH=grade_dir, LEGORL_REPORT=sink)
         env["LEGORL_INTEGRITY"] = "0" if "integrity" in off else "1"
     run = await sandbox.exec(
-        ["sh", "-c", _test_command(task, boot=boot, sink=sink, off=off)],
+        [
+            "sh",
+            "-c",
+            _test_command(
+                task, boot=boot, sink=sink, off=off, options=[f"--watch={watch}", f"--log={log}"]
+            ),
+        ],
         timeout=timeout,
         cwd=sandbox.workdir,
         env=env,
         stdin=(key + "\n").encode(),
     )
     parser = PARSERS[task.log_parser]
-    test_run = TestRun(
-        run=run, results=parser.parse(await _read_stream(sandbox, run, sink), key.encode())
-    )
+    stream = await _read_stream(sandbox, run, sink)
+    printed = run.output
+    if "isolated_runner" not in off:
+        printed = (await _read_stream(sandbox, run, log))[-(1 << 20) :].decode(errors="replace")
+    test_run = TestRun(run=run, results=parser.parse(stream, key.encode()), log=printed)
     wanted = {"differential", "twin"} - off
-    required = task.FAIL_TO_PASS + task.PASS_TO_PASS
     if wanted and all(test_run.results.outcomes.get(t) == "passed" for t in required):
         test_run.plain = await _plain(sandbox, task, boot=boot, timeout=timeout, off=off)
     return test_run
@@ -145,8 +160,10 @@ def judge(
         notes["tampered"] = results.tampered[0].get("what", [])
         problems.append("the runner was changed in-process")
     if "exit_code" not in off and run.exit_code is not None:
-        failing = bool(results.collect_errors) or any(
-            o in ("failed", "error") for o in results.outcomes.values()
+        failing = (
+            bool(results.collect_errors)
+            or results.others_failed > 0
+            or any(o in ("failed", "error") for o in results.outcomes.values())
         )
         if (
             (results.exitstatus is not None and results.exitstatus != run.exit_code)
