@@ -89,17 +89,6 @@ async def _apply(sandbox: Sandbox, patch: str, name: str) -> tuple[str | None, s
     return None, error
 
 
-def _test_command(task: Task) -> str:
-    # Our report plugin, and nothing from the repository's own pytest configuration.
-    cmd = task.test_cmd.strip()
-    extra = "-p legorl_pytest_report -p no:cacheprovider -o addopts= --rootdir ."
-    if cmd.startswith("python -m pytest"):
-        return "python -m pytest " + extra + cmd[len("python -m pytest") :]
-    if cmd.startswith("pytest"):
-        return "python -m pytest " + extra + cmd[len("pytest") :]
-    return cmd
-
-
 async def grade(
     traj: Trajectory,
     task: Task,
