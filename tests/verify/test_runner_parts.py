@@ -67,8 +67,22 @@ LIB = {
             assert area(n, 1) == n
 
         class TestCase(unittest.TestCase):
+            @classmethod
+            def setUpClass(cls):
+                cls.side = 2
+
             def test_eq(self):
-                self.assertEqual(area(2, 2), 4)
+                self.assertEqual(area(self.side, 2), 4)
+
+        def setup_module(module):
+            module.READY = True
+
+        class TestPlain:
+            def setup_method(self, method):
+                self.w = 3 if READY else 0
+
+            def test_method(self):
+                assert area(self.w, 5) == 15
     """,
 }
 
@@ -99,7 +113,8 @@ def test_only_watched_tests_get_records_and_the_output_goes_to_the_log(tmp_path:
 def test_the_independent_runner_agrees_and_names_what_it_cannot_cover(tmp_path: Path) -> None:
     repo, grade = _repo(tmp_path, LIB)
     ids = ["test_area", "test_area_approx", "test_wrong", "test_fixture", "test_many[1]"]
-    ids = [f"tests/test_lib.py::{t}" for t in ids] + ["tests/test_lib.py::TestCase::test_eq"]
+    ids += ["TestCase::test_eq", "TestPlain::test_method"]
+    ids = [f"tests/test_lib.py::{t}" for t in ids]
     proc = _boot(repo, grade, "plain", "--", *ids)
     found, forged = records(proc.stdout, b"k3y")
     plain = {r["nodeid"].split("::", 1)[1]: r for r in found if r["event"] == "plain"}
@@ -111,6 +126,7 @@ def test_the_independent_runner_agrees_and_names_what_it_cannot_cover(tmp_path: 
         "test_fixture": "uncovered",
         "test_many[1]": "uncovered",
         "TestCase::test_eq": "passed",
+        "TestPlain::test_method": "passed",  # setup_module and setup_method ran
     }
     assert all(r.get("vacuous") == 0 for r in plain.values() if r["outcome"] == "passed")
 

@@ -19,6 +19,7 @@ import importlib
 import os
 import sys
 import traceback
+import types
 import unittest
 
 _EQ_CALLS = {
@@ -168,65 +169,84 @@ def _why_uncovered(nodeid, repo, module, target):
     return None
 
 
-def _call_plain(namespace, parts):
-    """Run one test, pytest's xunit-style setup/teardown included: passed, failed or error."""
+def _with_arg(fn, arg):
+    """An xunit hook, called with its one optional argument as pytest does."""
+    if fn is None:
+        return lambda: None
+    code = getattr(fn, "__code__", None)
+    takes = code is not None and code.co_argcount > (1 if hasattr(fn, "__self__") else 0)
+    return (lambda: fn(arg)) if takes else fn
+
+
+def _xunit(setups, test, teardowns):
+    """passed, failed, or error (a setup or teardown raised); teardowns run in reverse."""
+    outcome = "passed"
+    ran = []
+    try:
+        for setup, teardown in zip(setups, teardowns, strict=True):
+            setup()
+            ran.append(teardown)
+        test()
+    except BaseException:  # pytest's own outcomes (fail, skip) are BaseExceptions
+        outcome = "failed" if len(ran) == len(setups) else "error"
+    for teardown in reversed(ran):
+        try:
+            teardown()
+        except BaseException:
+            outcome = "error"
+    return outcome
+
+
+def _call_plain(module, parts):
+    """Run one test with pytest's xunit-style setup and teardown (module, class, method)."""
+    namespace = vars(module)
+    setups = [_with_arg(namespace.get("setup_module"), module)]
+    teardowns = [_with_arg(namespace.get("teardown_module"), module)]
     if len(parts) == 1:
         fn = namespace[parts[0]]
-        setup, teardown = namespace.get("setup_function"), namespace.get("teardown_function")
-        try:
-            if setup:
-                setup(fn)
-        except Exception:
-            return "error"
-        try:
-            fn()
-            outcome = "passed"
-        except Exception:
-            outcome = "failed"
-        if teardown:
-            try:
-                teardown(fn)
-            except Exception:
-                return "error"
-        return outcome
+        setups.append(_with_arg(namespace.get("setup_function"), fn))
+        teardowns.append(_with_arg(namespace.get("teardown_function"), fn))
+        return _xunit(setups, fn, teardowns)
     cls = namespace[parts[0]]
     if isinstance(cls, type) and issubclass(cls, unittest.TestCase):
+        # A suite runs the class and module fixtures (setUpClass, setUpModule) as well.
         result = unittest.TestResult()
-        cls(parts[1]).run(result)
+        unittest.TestSuite([cls(parts[1])]).run(result)
         if result.errors:
             return "error"
         if result.failures or result.unexpectedSuccesses or not result.wasSuccessful():
             return "failed"
         return "skipped" if result.skipped else "passed"
-    instance = cls()
-    method = getattr(instance, parts[1])
-    try:
-        if hasattr(instance, "setup_method"):
-            instance.setup_method(method)
-    except Exception:
-        return "error"
+    setups.append(_with_arg(getattr(cls, "setup_class", None), cls))
+    teardowns.append(_with_arg(getattr(cls, "teardown_class", None), cls))
+
+    def test():
+        instance = cls()
+        _xunit_method(instance, getattr(instance, parts[1]))
+
+    return _xunit(setups, test, teardowns)
+
+
+def _xunit_method(instance, method):
+    setup = _with_arg(getattr(instance, "setup_method", None), method)
+    teardown = _with_arg(getattr(instance, "teardown_method", None), method)
+    setup()
     try:
         method()
-        outcome = "passed"
-    except Exception:
-        outcome = "failed"
-    if hasattr(instance, "teardown_method"):
-        try:
-            instance.teardown_method(method)
-        except Exception:
-            return "error"
-    return outcome
+    finally:
+        teardown()
 
 
-def _twin_namespace(module, full, twin):
+def _twin_module(module, full, twin):
     """The test module compiled again with its comparisons routed through ``twin``."""
     with open(full, encoding="utf-8") as fh:
         tree = ast.parse(fh.read(), full)
     name = "_twin_" + os.urandom(6).hex()
     tree = ast.fix_missing_locations(_Instrument(name).visit(tree))
-    namespace = {"__name__": module.__name__, "__file__": full, name: twin}
-    exec(compile(tree, full, "exec"), namespace)
-    return namespace
+    again = types.ModuleType(module.__name__)
+    vars(again).update(__file__=full, **{name: twin})
+    exec(compile(tree, full, "exec"), vars(again))
+    return again
 
 
 def run_one(nodeid, repo, twin):
@@ -245,11 +265,11 @@ def run_one(nodeid, repo, twin):
     why = _why_uncovered(nodeid, repo, module, target) if parts else "no test named"
     if why:
         return {**record, "outcome": "uncovered", "detail": why}
-    record["outcome"] = _call_plain(vars(module), parts)
+    record["outcome"] = _call_plain(module, parts)
     if twin and record["outcome"] == "passed":
         counter = Twin()
         try:
-            again = _call_plain(_twin_namespace(module, full, counter), parts)
+            again = _call_plain(_twin_module(module, full, counter), parts)
         except Exception:
             again = "error"
         record["twin"] = again
