@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import re
 import secrets
-import shlex
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, replace
