@@ -260,6 +260,13 @@ def shadowable(extra_dirs: list[str], repo: str) -> list[str]:
     suffixes = tuple(importlib.machinery.all_suffixes())
     dirs = [p for p in sys.path if p]
     dirs += site.getsitepackages() + [sysconfig.get_paths()["stdlib"], *extra_dirs]
+    # Run with -S, a virtualenv's own site-packages is not on sys.path: find it as site would,
+    # without running its .pth files.
+    venv = os.path.dirname(os.path.dirname(os.path.abspath(sys.executable)))
+    if os.path.isfile(os.path.join(venv, "pyvenv.cfg")):
+        version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+        for lib in ("lib", "lib64"):
+            dirs.append(os.path.join(venv, lib, version, "site-packages"))
     repo_real = os.path.realpath(repo)
     for folder in dirs:
         real = os.path.realpath(folder)

@@ -178,10 +178,10 @@ def check_path(path: str, line: int) -> str:
     if not path or path.startswith("/") or "\0" in path:
         raise PatchError(line, f"path {path!r} is not relative")
     parts = path.split("/")
-    if any(p in ("", ".", "..") for p in parts):
-        raise PatchError(line, f"path {path!r} has an empty, '.' or '..' part")
     if any(p.casefold() == ".git" for p in parts):
         raise PatchError(line, f"path {path!r} is inside a .git folder", "git_dir_touched")
+    if any(p in ("", ".", "..") for p in parts):
+        raise PatchError(line, f"path {path!r} has an empty, '.' or '..' part")
     return path
 
 

@@ -152,6 +152,19 @@ def import_roots(task: Task, paths: set[str]) -> list[str]:
     return sorted(roots)
 
 
+def _runner_file(parts: list[str]) -> bool:
+    """Run by name alone: conftest.py, pytest.ini…, a .pth, site hooks, and entry points in
+    distribution metadata (how pytest finds plugins to autoload)."""
+    name = parts[-1]
+    metadata = len(parts) > 1 and parts[-2].endswith((".dist-info", ".egg-info"))
+    return (
+        name in RUNNER_FILES
+        or name.endswith(".pth")
+        or any(p.split(".", 1)[0] in SITE_HOOKS for p in parts)
+        or (metadata and name == "entry_points.txt")
+    )
+
+
 def judge(
     rows: list[dict[str, Any]],
     *,
@@ -174,17 +187,11 @@ def judge(
             reason = "test_patch_path_created" if before is None else "tests_touched"
         elif is_test_file(path):
             reason = "tests_touched"
-        elif (
-            name in RUNNER_FILES
-            or name.endswith(".pth")
-            or any(p.split(".", 1)[0] in SITE_HOOKS for p in parts)
-            or (name == "entry_points.txt" and parts[-2:-1]
-                and parts[-2].endswith((".dist-info", ".egg-info")))
-        ):  # fmt: skip
-            reason = "runner_config_touched"
-        elif name in PYTEST_SECTIONS and _pytest_sections(
-            name, row.get("before_text")
-        ) != _pytest_sections(name, row.get("after_text")):
+        elif _runner_file(parts) or (
+            name in PYTEST_SECTIONS
+            and _pytest_sections(name, row.get("before_text"))
+            != _pytest_sections(name, row.get("after_text"))
+        ):
             reason = "runner_config_touched"
         elif "__pycache__" in parts or name.endswith((".pyc", ".pyo")):
             reason = "bytecode_added"
@@ -247,20 +254,22 @@ async def _snapshot(sandbox: Sandbox, restore: bool) -> None:
 async def _apply(sandbox: Sandbox, path: str, *, fuzz: bool) -> tuple[str | None, str]:
     """Try each method; between tries the tree goes back to the snapshot taken before the
     first one (``git apply`` itself changes nothing when it fails)."""
-    error = ""
+    errors = []
     snapped = False
     for method, argv in _attempts(path, fuzz=fuzz):
         if snapped:
             await _snapshot(sandbox, restore=True)
+        if method == "git_apply_3way":  # the index must see the tree's files as they are
+            await sandbox.exec(git("update-index", "-q", "--refresh"), timeout=120)
         result = await sandbox.exec(argv, timeout=120, cwd=sandbox.workdir)
         if result.exit_code == 0:
             return method, ""
-        error = result.output.strip()[-500:]
+        errors.append(f"{method}: {result.output.strip()[-300:]}")
         if not snapped:
             await _snapshot(sandbox, restore=False)
             snapped = True
     await _snapshot(sandbox, restore=True)
-    return None, error
+    return None, "; ".join(errors)
 
 
 async def _legacy_apply(sandbox: Sandbox, patch: str, name: str) -> tuple[str | None, str]:
@@ -357,9 +366,12 @@ async def _judge_tree(sandbox: Sandbox, task: Task, judged: Judged) -> None:
         ]
     again = await probe(sandbox, "changes", base=base, texts=texts)
     left = judge(
-        again["changes"], hidden=hidden, names=names, roots=import_roots(task, after),
+        again["changes"],
+        hidden=hidden,
+        names=names,
+        roots=import_roots(task, after),
         base_paths=base_paths,
-    )  # fmt: skip
+    )
     if left or again.get("odd"):
         raise SandboxError(f"grading: reverting left rule-breaking paths: {left[:3]}")
     diff = await probe(sandbox, "diff", base=base, index=f"{GRADE_DIR}/judged.idx")

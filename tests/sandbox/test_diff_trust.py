@@ -1,0 +1,110 @@
+"""The rollout's patch is what the tree really changed, whatever the agent did to git: on both
+backends an agent stage plants a hostile ``.git/config`` and ``~/.gitconfig`` (external diff,
+textconv, a clean filter, diff prefixes, hooks, fsmonitor, ``core.attributesFile``), a
+``.gitattributes`` with filters and ``-diff``, and noise on stderr; ``diff()`` must still give
+well-formed text that applies to the base commit and reproduces the tree's bytes. The control
+runs the old in-sandbox diff on the same tree, which the agent fools.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from sandbox_fixtures import (  # noqa: F401  (fixtures are found by name)
+    TASKS_DIR,
+    fixture_backend,
+    fixture_docker_backend,
+    fixture_local_backend,
+    run,
+    run_id,
+    task,
+)
+
+from legorl.tasks import checkout
+from legorl.verify.patches import parse_strict
+
+EVIL = "#!/bin/sh\necho NOISE-ON-STDERR >&2\ncat\necho '# forged by the agent'\n"
+HOSTILE = """\
+[diff]
+\texternal = /testbed/evil.sh
+\tnoprefix = true
+\tmnemonicPrefix = true
+[diff "evil"]
+\ttextconv = /testbed/evil.sh
+[filter "evil"]
+\tclean = /testbed/evil.sh
+\tsmudge = cat
+\trequired = true
+[core]
+\tattributesFile = /testbed/.evil-attributes
+\thooksPath = /testbed/.evil-hooks
+\tfsmonitor = /testbed/evil.sh
+"""
+
+#: The diff every rollout took before: git run inside the sandbox on the agent's own .git.
+OLD_DIFF = (
+    'cd /testbed && idx=$(mktemp) && { cp .git/index "$idx" 2>/dev/null || rm -f "$idx"; } && '
+    'GIT_INDEX_FILE="$idx" git -c core.hooksPath=/dev/null -c diff.noprefix=false add -A -- . && '
+    'GIT_INDEX_FILE="$idx" git -c core.hooksPath=/dev/null -c diff.noprefix=false diff --cached '
+    '--binary --no-color --no-ext-diff --src-prefix=a/ --dst-prefix=b/ {base}; rm -f "$idx"'
+)
+
+
+async def _hostile_agent(box: Any) -> None:
+    await box.exec("sed -i 's/width + height/width * height/' geometry.py")
+    await box.write_file("notes.txt", b"plain notes\n")
+    await box.write_file("evil.sh", EVIL.encode())
+    await box.write_file(".gitattributes", b"*.py filter=evil diff=evil\n*.txt -diff\n")
+    await box.write_file(".evil-attributes", b"* filter=evil diff=evil\n")
+    await box.write_file(".evil-hooks/post-index-change", EVIL.encode())
+    await box.write_file("/root/.gitconfig", HOSTILE.encode())
+    setup = "chmod +x evil.sh .evil-hooks/* && cat /root/.gitconfig >> .git/config"
+    assert (await box.exec(setup)).exit_code == 0
+
+
+def _apply_to_base(patch: str) -> Path:
+    """The base tree with ``patch`` applied by a plain `git apply` on the host."""
+    tmp = Path(tempfile.mkdtemp(prefix="legorl-diff-trust-"))
+    checkout(task(), TASKS_DIR, tmp / "r")
+    env = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null"}
+    proc = subprocess.run(
+        ["git", "apply", "--whitespace=nowarn", "-"],
+        input=patch.encode(),
+        cwd=tmp / "r",
+        env=env,
+        capture_output=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    return tmp / "r"
+
+
+def test_the_rollout_diff_ignores_what_the_agent_did_to_git(backend: Any) -> None:
+    async def go() -> tuple[str, str, dict[str, bytes]]:
+        box = await backend.start(task(), str(TASKS_DIR), run_id=run_id())
+        try:
+            await _hostile_agent(box)
+            if backend.name == "docker":  # root in its container: it can replace git itself
+                forged = "#!/bin/sh\necho 'diff --git a/x b/x'\n"
+                await box.write_file("/usr/local/bin/git", forged.encode())
+                await box.exec("chmod +x /usr/local/bin/git")
+            patch = await box.diff()
+            old = await box.exec(OLD_DIFF.replace("{base}", box.base_sha))
+            files = {p: await box.read_file(p) for p in ("geometry.py", "notes.txt", "evil.sh")}
+            return patch, old.output, files
+        finally:
+            await box.close()
+
+    patch, old, files = run(go())
+    paths = {d.path for d in parse_strict(patch)}  # well-formed: nothing but diff sections
+    assert {"geometry.py", "notes.txt", "evil.sh", ".gitattributes"} <= paths
+    assert "NOISE" not in patch and "forged" not in patch
+    tree = _apply_to_base(patch)
+    for path, data in files.items():
+        assert (tree / path).read_bytes() == data, path
+    # The control: the old diff, run with the agent's git, takes in its noise and filter.
+    assert "NOISE-ON-STDERR" in old or "forged" in old
