@@ -66,21 +66,32 @@ async def _hostile_agent(box: Any) -> None:
     assert (await box.exec(setup)).exit_code == 0
 
 
-def _apply_to_base(patch: str) -> Path:
-    """The base tree with ``patch`` applied by a plain `git apply` on the host."""
-    tmp = Path(tempfile.mkdtemp(prefix="legorl-diff-trust-"))
-    checkout(task(), TASKS_DIR, tmp / "r")
-    env = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null"}
-    proc = subprocess.run(
-        ["git", "apply", "--whitespace=nowarn", "-"],
-        input=patch.encode(),
-        cwd=tmp / "r",
-        env=env,
-        capture_output=True,
-        timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr.decode()
-    return tmp / "r"
+def _reproduces(patch: str, files: dict[str, bytes]) -> bool:
+    """Whether ``patch`` is well-formed text that, applied by a plain `git apply` on the base
+    tree, gives exactly ``files``' bytes."""
+    from legorl.verify.patches import PatchError
+
+    try:
+        parse_strict(patch)
+    except PatchError:
+        return False
+    with tempfile.TemporaryDirectory(prefix="legorl-diff-trust-") as tmp:
+        checkout(task(), TASKS_DIR, Path(tmp) / "r")
+        env = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "GIT_CONFIG_GLOBAL": "/dev/null"}
+        proc = subprocess.run(
+            ["git", "apply", "--whitespace=nowarn", "-"],
+            input=patch.encode(),
+            cwd=Path(tmp) / "r",
+            env=env,
+            capture_output=True,
+            timeout=60,
+        )
+        if proc.returncode != 0:
+            return False
+        return all(
+            (Path(tmp) / "r" / p).is_file() and (Path(tmp) / "r" / p).read_bytes() == data
+            for p, data in files.items()
+        )
 
 
 def test_the_rollout_diff_ignores_what_the_agent_did_to_git(backend: Any) -> None:
@@ -100,11 +111,11 @@ def test_the_rollout_diff_ignores_what_the_agent_did_to_git(backend: Any) -> Non
             await box.close()
 
     patch, old, files = run(go())
-    paths = {d.path for d in parse_strict(patch)}  # well-formed: nothing but diff sections
-    assert {"geometry.py", "notes.txt", "evil.sh", ".gitattributes"} <= paths
-    assert "NOISE" not in patch and "forged" not in patch
-    tree = _apply_to_base(patch)
-    for path, data in files.items():
-        assert (tree / path).read_bytes() == data, path
+    sections = {d.path: d.text for d in parse_strict(patch)}  # nothing but diff sections
+    assert {"geometry.py", "notes.txt", "evil.sh", ".gitattributes"} <= set(sections)
+    for path, text in sections.items():
+        if "evil" not in path:  # the agent's own scripts say it, nothing else may
+            assert "NOISE" not in text and "forged" not in text, path
+    assert _reproduces(patch, files)
     # The control: the old diff, run with the agent's git, takes in its noise and filter.
-    assert "NOISE-ON-STDERR" in old or "forged" in old
+    assert not _reproduces(old, files)

@@ -4,8 +4,7 @@ only: it is copied into a sandbox and run there by a trusted interpreter,
 
     python3 -I -S tree_probe.py REQUEST.json
 
-where the request names a mode (``changes``, ``diff``, ``names``, ``gitdir``) and the output
-file. Grading (``legorl.verify.tree``) and both sandbox backends' ``diff()`` use it; its
+where the request names a mode (``survey`` or ``diff``) and the output file. Grading (``legorl.verify.tree``) and both sandbox backends' ``diff()`` use it; its
 ``clean_git`` builds every git command line they run.
 
 Files are hashed as git would store them with no filter at all (``blob <size>\\0<bytes>``), so
@@ -311,32 +310,35 @@ def main(request_path: str) -> int:
         os.makedirs(git["objects"], exist_ok=True)
     result: dict[str, Any] = {}
     try:
-        if mode == "changes":
+        if mode == "survey":  # grading, after the patch: what changed, and what it may shadow
             rows, odd = changes(root, git, req["base"])
             texts = set(req.get("texts", ()))
             for row in rows:
                 if os.path.basename(row["path"]) in texts:
                     row.update(_text(git, root, row))
-            result = {"changes": rows, "odd": odd}
+            now, _ = walk(req["gitdir"][0])
+            then, _ = walk(req["gitdir"][1])
+            result = {
+                "changes": rows,
+                "odd": odd,
+                "base_paths": sorted(base_tree(git, req["base"])),
+                "names": shadowable(req.get("extra_dirs", []), root),
+                "gitdir_differ": sorted(
+                    p for p in set(now) | set(then) if now.get(p) != then.get(p)
+                ),
+            }
         elif mode == "diff":
-            rows, _ = changes(root, git, req["base"], skip_junk=req.get("skip_junk", False))
+            rows, odd = changes(root, git, req["base"], skip_junk=req.get("skip_junk", False))
+            result = {"changes": rows, "odd": odd}
             if req.get("respect_ignores"):
                 fresh = [r["path"] for r in rows if r["before"] is None]
                 drop = ignored(root, git, fresh)
                 rows = [r for r in rows if r["path"] not in drop]
-            rows = [r for r in rows if ".git" not in r["path"].split("/")]
+            rows = [r for r in rows if ".git" not in r["path"].casefold().split("/")]
             tree = write_tree(root, git, req["base"], rows)
             with open(out + ".patch", "wb") as fh:
                 fh.write(tree_diff(git, req["base"], tree))
-            result = {"tree": tree, "paths": [r["path"] for r in rows]}
-        elif mode == "names":
-            result = {"names": shadowable(req.get("extra_dirs", []), root)}
-        elif mode == "gitdir":
-            now, _ = walk(req["left"])
-            then, _ = walk(req["right"])
-            result = {
-                "differ": sorted(p for p in set(now) | set(then) if now.get(p) != then.get(p))
-            }
+            result.update(tree=tree, paths=[r["path"] for r in rows])
         else:
             raise RuntimeError(f"unknown mode {mode!r}")
     except (OSError, RuntimeError) as exc:

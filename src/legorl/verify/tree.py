@@ -17,6 +17,7 @@ taken before the patch, so nothing the patch writes (hooks, config, attributes) 
 from __future__ import annotations
 
 import configparser
+import functools
 import json
 import secrets
 import shlex
@@ -327,54 +328,48 @@ async def apply_model_patch(
 
 async def _judge_tree(sandbox: Sandbox, task: Task, judged: Judged) -> None:
     base = await _base_sha(sandbox)
-    texts = sorted(PYTEST_SECTIONS)
-    found = await probe(sandbox, "changes", base=base, texts=texts)
-    listing = await _sh(sandbox, git("ls-tree", "-r", "--name-only", "-z", base), "ls-tree")
-    base_paths = {p for p in listing.split("\0") if p}
+    # The environment's own interpreter, isolated: it knows what the environment can import.
+    found = await probe(
+        sandbox,
+        "survey",
+        python=_python(),
+        base=base,
+        texts=sorted(PYTEST_SECTIONS),
+        extra_dirs=[GRADE_DIR],
+        gitdir=[f"{sandbox.workdir}/.git", ORIG_GIT],
+    )
+    base_paths = set(found["base_paths"])
     after = (base_paths - {r["path"] for r in found["changes"] if r["after"] is None}) | {
         r["path"] for r in found["changes"] if r["after"] is not None
     }
-    env = await probe(sandbox, "names", python=_python(), extra_dirs=[GRADE_DIR])
-    names = set(env["names"]) - {"tree_probe"}
-    hidden = {d.path for d in split_diff(task.test_patch)}
-    bad = judge(
-        found["changes"],
-        hidden=hidden,
-        names=names,
+    rules = functools.partial(
+        judge,
+        hidden={d.path for d in split_diff(task.test_patch)},
+        names=set(found["names"]) - {"tree_probe"},
         roots=import_roots(task, after),
         base_paths=base_paths,
     )
+    bad = rules(found["changes"])
     rows = {r["path"]: r for r in found["changes"]}
-    for path in found.get("odd", []):
+    for path in found["odd"]:
         bad.append((path, "odd_file"))
         rows[path] = {"path": path, "before": None, "after": ["0", ""]}
     await _revert(sandbox, base, [(rows[p], why) for p, why in bad], judged)
-    gitdir = await probe(sandbox, "gitdir", left=f"{sandbox.workdir}/.git", right=ORIG_GIT)
-    if gitdir["differ"]:
+    if found["gitdir_differ"]:
+        wd = sandbox.workdir
         await _sh(
             sandbox,
-            [
-                "sh",
-                "-c",
-                f"rm -rf {sandbox.workdir}/.git && cp -a {ORIG_GIT} {sandbox.workdir}/.git",
-            ],
+            ["sh", "-c", f"rm -rf {wd}/.git && cp -a {ORIG_GIT} {wd}/.git"],
             "restoring .git",
         )
         judged.reverted += [
             {"path": f".git/{p}", "reason": "git_dir_touched", "action": "restored"}
-            for p in gitdir["differ"]
+            for p in found["gitdir_differ"]
         ]
-    again = await probe(sandbox, "changes", base=base, texts=texts)
-    left = judge(
-        again["changes"],
-        hidden=hidden,
-        names=names,
-        roots=import_roots(task, after),
-        base_paths=base_paths,
-    )
-    if left or again.get("odd"):
-        raise SandboxError(f"grading: reverting left rule-breaking paths: {left[:3]}")
     diff = await probe(sandbox, "diff", base=base, index=f"{GRADE_DIR}/judged.idx")
+    left = rules(diff["changes"])
+    if left or diff["odd"]:
+        raise SandboxError(f"grading: reverting left rule-breaking paths: {left[:3]}")
     judged.changed = diff["paths"]
     judged.diff = diff["patch"]
 
