@@ -81,6 +81,7 @@ START_HINT = (
     "(or `systemctl start docker`)"
 )
 LABEL = "legorl.sandbox"
+TREE_LIMIT = 4 << 30  # bytes of /testbed copied out for diff()
 
 
 @dataclass(slots=True, kw_only=True)
@@ -1010,6 +1011,10 @@ class DockerSandbox:
             try:
                 stream, _ = self.api.get_archive(self.container_id, WORKDIR)
                 for chunk in stream:
+                    if tmp.tell() + len(chunk) > TREE_LIMIT:
+                        raise SandboxError(
+                            f"sandbox {self.id}: the tree is larger than {TREE_LIMIT >> 30} GiB"
+                        )
                     tmp.write(chunk)
             except docker.errors.APIError as exc:
                 raise SandboxError(
