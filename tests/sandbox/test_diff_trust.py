@@ -119,3 +119,52 @@ def test_the_rollout_diff_ignores_what_the_agent_did_to_git(backend: Any) -> Non
     assert _reproduces(patch, files)
     # The control: the old diff, run with the agent's git, takes in its noise and filter.
     assert not _reproduces(old, files)
+
+
+def test_the_probe_sees_what_git_attributes_and_nested_repos_would_hide(tmp_path: Path) -> None:
+    from legorl.sandbox import tree_probe
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = {"git_dir": str(repo / ".git"), "work_tree": str(repo)}
+
+    def sh(*args: str, data: bytes | None = None) -> str:
+        ident = ["-c", "user.name=t", "-c", "user.email=t@t"]
+        argv = tree_probe.clean_git(*args, **git)
+        at = argv.index("git") + 1
+        argv[at:at] = ident
+        proc = subprocess.run(argv, cwd=repo, input=data, capture_output=True, check=True)
+        return proc.stdout.decode()
+
+    sh("init", "-q")
+    (repo / "a.py").write_bytes(b"x = 1\n")
+    (repo / "run.sh").write_bytes(b"echo\n")
+    sh("add", "-A")
+    sh("commit", "-q", "-m", "base")
+    base = sh("rev-parse", "HEAD").strip()
+    # CRLF under a `text` attribute: git normalises it away; a nested repo: git skips inside.
+    (repo / ".gitattributes").write_bytes(b"*.py text\n")
+    (repo / "a.py").write_bytes(b"x = 1\r\n")
+    env = {"PATH": os.environ["PATH"], "GIT_CONFIG_NOSYSTEM": "1", "HOME": str(tmp_path)}
+    subprocess.run(["git", "init", "-q", str(repo / "sub")], env=env, check=True)
+    nested = ["git", "-C", str(repo / "sub"), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*nested, "commit", "-q", "--allow-empty", "-m", "x"], env=env, check=True)
+    (repo / "sub" / "conftest.py").write_bytes(b"raise SystemExit(0)\n")
+    (repo / "run.sh").chmod(0o755)
+    (repo / "link").symlink_to("/etc/passwd")
+    rows, odd = tree_probe.changes(str(repo), git, base)
+    got = {r["path"]: (r["before"] and r["before"][0], r["after"] and r["after"][0]) for r in rows}
+    assert "sub/.git/HEAD" in got  # the nested repository's own files are seen too
+    got = {p: m for p, m in got.items() if not p.startswith("sub/.git/")}
+    assert got == {
+        ".gitattributes": (None, "100644"),
+        "a.py": ("100644", "100644"),
+        "link": (None, "120000"),
+        "run.sh": ("100644", "100755"),
+        "sub/conftest.py": (None, "100644"),
+    }
+    assert odd == []
+    # The control: git's own account of the same tree misses both.
+    sh("add", "-A")
+    seen = sh("diff", "--cached", "--name-only", base).split()
+    assert "a.py" not in seen and "sub/conftest.py" not in seen

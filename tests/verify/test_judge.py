@@ -166,7 +166,7 @@ def test_a_hook_written_into_git_never_runs() -> None:
     judged = _grade(attack, frozenset({"strict_patch"}))
     assert judged.reward == 0.0 and "git_dir_touched" in judged.hack_flags
     control = _grade(attack, BOTH)
-    assert control.reward == 1.0, control.verdict
+    assert control.reward == 1.0 and control.verdict["patch_apply"] == "patch_fuzz"
 
 
 FORGED_PYTEST = textwrap.dedent(

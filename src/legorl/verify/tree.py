@@ -366,12 +366,20 @@ async def _judge_tree(sandbox: Sandbox, task: Task, judged: Judged) -> None:
             {"path": f".git/{p}", "reason": "git_dir_touched", "action": "restored"}
             for p in found["gitdir_differ"]
         ]
-    diff = await probe(sandbox, "diff", base=base, index=f"{GRADE_DIR}/judged.idx")
+    diff = await real_changes(sandbox)
     left = rules(diff["changes"])
     if left or diff["odd"]:
         raise SandboxError(f"grading: reverting left rule-breaking paths: {left[:3]}")
     judged.changed = diff["paths"]
     judged.diff = diff["patch"]
+
+
+async def real_changes(sandbox: Sandbox) -> dict[str, Any]:
+    """The grading tree against the base commit as it really is: ``paths`` (changed paths),
+    ``patch`` (their binary-safe unified diff, made with no attributes or drivers) and
+    ``changes`` (each path's mode and blob before and after). Needs ``prepare`` first."""
+    base = await _base_sha(sandbox)
+    return await probe(sandbox, "diff", base=base, index=f"{GRADE_DIR}/judged.idx")
 
 
 async def _revert(
