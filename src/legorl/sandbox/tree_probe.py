@@ -2,9 +2,10 @@
 and never through the tree's own git configuration, attributes or hooks. Standard library
 only: it is copied into a sandbox and run there by a trusted interpreter,
 
-    python3 -I -S tree_probe.py REQUEST.json
+    python3 -I -S tree_probe.py REQUEST.json   # or "-": the request on stdin
 
-where the request names a mode (``survey`` or ``diff``) and the output file. Grading (``legorl.verify.tree``) and both sandbox backends' ``diff()`` use it; its
+where the request names a mode (``survey`` or ``diff``) and the output file (with ``print``
+the result goes to stdout too). Grading (``legorl.verify.tree``) and both sandbox backends' ``diff()`` use it; its
 ``clean_git`` builds every git command line they run.
 
 Files are hashed as git would store them with no filter at all (``blob <size>\\0<bytes>``), so
@@ -301,8 +302,11 @@ def _text(git: dict[str, str], root: str, row: dict[str, Any]) -> dict[str, str 
 
 
 def main(request_path: str) -> int:
-    with open(request_path) as fh:
-        req = json.load(fh)
+    if request_path == "-":
+        req = json.load(sys.stdin)
+    else:
+        with open(request_path) as fh:
+            req = json.load(fh)
     mode, root, out = req["mode"], req.get("root", "/testbed"), req["out"]
     git = {k: req[k] for k in ("git_dir", "index", "objects", "alternates") if req.get(k)}
     git["work_tree"] = root
@@ -345,6 +349,11 @@ def main(request_path: str) -> int:
         result = {"error": f"{type(exc).__name__}: {exc}"}
     with open(out, "w") as fh:
         json.dump(result, fh)
+    if req.get("print"):
+        if mode == "diff" and "error" not in result:
+            with open(out + ".patch", "rb") as fh:
+                result["patch"] = fh.read().decode("utf-8", "replace")
+        sys.stdout.write(json.dumps(result) + "\n")
     return 0 if "error" not in result else 3
 
 

@@ -77,38 +77,55 @@ async def _sh(sandbox: Sandbox, argv: list[str], what: str, timeout: float = 120
     return result.output
 
 
-async def prepare(sandbox: Sandbox) -> None:
-    """The grading folder, the probe, and two copies of the pristine .git (before any patch)."""
+async def prepare(sandbox: Sandbox, files: dict[str, str]) -> None:
+    """The grading folder with the probe and ``files`` (name: text), and two copies of the
+    pristine .git taken before any patch, in one command."""
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        items = {"tree_probe.py": Path(tree_probe.__file__).read_bytes()}
+        items.update(
+            {k: v.encode() if v.endswith("\n") else (v + "\n").encode() for k, v in files.items()}
+        )
+        for name, data in items.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
     wd = sandbox.workdir
-    await _sh(
-        sandbox,
-        [
-            "sh",
-            "-c",
-            f"mkdir -p {GRADE_DIR} && cp -a {wd}/.git {GIT_DIR} && cp -a {wd}/.git {ORIG_GIT}",
-        ],
-        "copying the pristine .git",
+    script = (
+        f"mkdir -p {GRADE_DIR} && tar -x -C {GRADE_DIR} -f - && "
+        f"cp -a {wd}/.git {GIT_DIR} && cp -a {wd}/.git {ORIG_GIT}"
     )
-    await sandbox.write_file(PROBE, Path(tree_probe.__file__).read_bytes())
+    result = await sandbox.exec(["sh", "-c", script], timeout=120, stdin=buf.getvalue())
+    if result.exit_code != 0:
+        raise SandboxError(f"grading: preparing the grading folder failed: {result.output[-300:]}")
 
 
 async def probe(sandbox: Sandbox, mode: str, python: str = "python3", **req: Any) -> dict[str, Any]:
-    """Run ``tree_probe`` in the sandbox (isolated interpreter: no site, no cwd, no env)."""
+    """Run ``tree_probe`` in the sandbox (isolated interpreter: no site, no cwd, no env); the
+    request goes in on stdin, the result comes back on stdout (from its file when too long)."""
     name = f"{GRADE_DIR}/probe-{secrets.token_hex(4)}"
-    body = {"mode": mode, "out": f"{name}.out", "root": sandbox.workdir, "git_dir": GIT_DIR, **req}
-    await sandbox.write_file(f"{name}.json", json.dumps(body).encode())
+    body: dict[str, Any] = {"mode": mode, "out": f"{name}.out", "root": sandbox.workdir}
+    body.update(git_dir=GIT_DIR, print=True, **req)
     run = await sandbox.exec(
-        ["sh", "-c", f"cd / && {python} -I -S {PROBE} {name}.json"], timeout=300, cwd="/"
+        ["sh", "-c", f"cd / && {python} -I -S {PROBE} -"],
+        timeout=300,
+        cwd="/",
+        stdin=json.dumps(body).encode(),
     )
     try:
-        out = json.loads(await sandbox.read_file(f"{name}.out"))
-    except (FileNotFoundError, SandboxError, ValueError):
-        raise SandboxError(
-            f"grading: the tree probe ({mode}) failed: {run.output[-300:]}"
-        ) from None
+        out = json.loads(run.output.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        try:
+            out = json.loads(await sandbox.read_file(f"{name}.out"))
+        except (FileNotFoundError, SandboxError, ValueError):
+            why = run.output[-300:]
+            raise SandboxError(f"grading: the tree probe ({mode}) failed: {why}") from None
     if "error" in out:
         raise SandboxError(f"grading: the tree probe ({mode}) failed: {out['error']}")
-    if mode == "diff":
+    if mode == "diff" and "patch" not in out:
         out["patch"] = (await sandbox.read_file(f"{name}.out.patch")).decode("utf-8", "replace")
     return out
 
@@ -219,14 +236,6 @@ def _refuse(patch: str) -> tuple[str, str] | None:
     return None
 
 
-async def _write(sandbox: Sandbox, patch: str, name: str) -> str:
-    path = f"{GRADE_DIR}/{name}"
-    await sandbox.write_file(
-        path, patch.encode() if patch.endswith("\n") else (patch + "\n").encode()
-    )
-    return path
-
-
 def _attempts(path: str, *, fuzz: bool) -> list[tuple[str, list[str]]]:
     out = [
         ("git_apply", git("apply", "--whitespace=nowarn", path)),
@@ -273,10 +282,9 @@ async def _apply(sandbox: Sandbox, path: str, *, fuzz: bool) -> tuple[str | None
     return None, "; ".join(errors)
 
 
-async def _legacy_apply(sandbox: Sandbox, patch: str, name: str) -> tuple[str | None, str]:
+async def _legacy_apply(sandbox: Sandbox, path: str) -> tuple[str | None, str]:
     """The old way (``strict_patch`` off, a control): the repository's own git, hooks and all,
     fuzz included, and a cleanup that wipes everything between tries."""
-    path = await _write(sandbox, patch, name)
     attempts = [
         ("git_apply", f"git apply --whitespace=nowarn {path}"),
         ("git_apply_3way", f"git apply --3way --whitespace=nowarn {path}"),
@@ -300,7 +308,6 @@ async def apply_model_patch(
     """Apply the model's patch and judge the tree; see the module docstring."""
     strict = "strict_patch" not in defences_off
     judged = Judged()
-    await prepare(sandbox)
     if "judge_tree" in defences_off:
         patch, dropped = sanitize(patch, task.test_patch)
         judged.reverted = [{"path": p, "reason": r, "action": "dropped"} for p, r in dropped]
@@ -310,13 +317,13 @@ async def apply_model_patch(
             judged.refused, judged.error = refused
             judged.method = None
             return judged
+    await prepare(sandbox, {"model.patch": patch, "test.patch": task.test_patch})
     if patch.strip():
+        path = f"{GRADE_DIR}/model.patch"
         if strict:
-            judged.method, judged.error = await _apply(
-                sandbox, await _write(sandbox, patch, "model.patch"), fuzz=False
-            )
+            judged.method, judged.error = await _apply(sandbox, path, fuzz=False)
         else:
-            judged.method, judged.error = await _legacy_apply(sandbox, patch, "model.patch")
+            judged.method, judged.error = await _legacy_apply(sandbox, path)
         if judged.method is None:
             return judged
     if "judge_tree" not in defences_off:
@@ -459,7 +466,8 @@ async def apply_test_patch(
     """Reset the hidden tests' paths, then apply the task's test_patch (git apply, 3-way, then
     fuzz: it is the task's own text), restoring the judged tree between tries."""
     legacy = "strict_patch" in defences_off
-    await reset_hidden(sandbox, task, legacy=legacy)
+    if legacy or "judge_tree" in defences_off:  # else the judge has put them back already
+        await reset_hidden(sandbox, task, legacy=legacy)
     if legacy:
-        return await _legacy_apply(sandbox, task.test_patch, "test.patch")
-    return await _apply(sandbox, await _write(sandbox, task.test_patch, "test.patch"), fuzz=True)
+        return await _legacy_apply(sandbox, f"{GRADE_DIR}/test.patch")
+    return await _apply(sandbox, f"{GRADE_DIR}/test.patch", fuzz=True)
