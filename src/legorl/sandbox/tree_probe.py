@@ -235,7 +235,6 @@ def tree_diff(git: dict[str, str], base: str, tree: str) -> bytes:
             "-r",
             "-p",
             "--binary",
-            "--full-index",
             "--no-ext-diff",
             "--no-textconv",
             "--no-renames",
