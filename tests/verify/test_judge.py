@@ -1,5 +1,5 @@
 """Grading judges what the patch does, not what it says: each attack is patch text graded by
-`legorl.verify.grade` in real Docker sandboxes, blocked with the defence on, and winning
+`legorl.verify.grade` in real Docker sandboxes (one also in bubblewrap), blocked with the defence on, and winning
 (reward 1) with it off through `VerifyConfig.defences_off` (the control). The pure rules of
 the strict reader and of the tree judge are checked without Docker.
 """
@@ -49,11 +49,25 @@ def _docker_backend():
     return make_backend("docker")
 
 
+def _backend(name: str):
+    from legorl.sandbox import make_backend
+
+    if name == "docker":
+        return _docker_backend()
+    if shutil.which("bwrap") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("bubblewrap is not installed (.ci/run installs it)")
+        pytest.skip("no bubblewrap")
+    return make_backend("local")
+
+
 def _task() -> Task:
     return next(t for t in read_jsonl(TASKS / "train.jsonl", Task) if t.instance_id == TASK_ID)
 
 
-def _grade(patch: str, off: frozenset[str] = frozenset(), task: Task | None = None) -> Trajectory:
+def _grade(
+    patch: str, off: frozenset[str] = frozenset(), task: Task | None = None, backend: str = "docker"
+) -> Trajectory:
     task = task or _task()
     traj = Trajectory(
         trajectory_id="judge",
@@ -68,7 +82,7 @@ def _grade(patch: str, off: frozenset[str] = frozenset(), task: Task | None = No
         grade(
             traj,
             task,
-            backend=_docker_backend(),
+            backend=_backend(backend),
             tasks_dir=str(TASKS),
             run_id="legorl-test-judge",
             turns=[],
@@ -123,18 +137,19 @@ def test_gold_fix_is_kept_and_the_judged_diff_is_the_real_change() -> None:
     assert plus and all(ln in diff.splitlines() for ln in plus)
 
 
-def test_a_quoted_header_smuggles_a_conftest_past_the_header_filter() -> None:
+@pytest.mark.parametrize("backend", ["docker", "local"])
+def test_a_quoted_header_smuggles_a_conftest_past_the_header_filter(backend: str) -> None:
     task = _task()
     # git quotes any path it likes; the old header regex does not see this section at all.
     attack = _readme_note(task) + _new_file(
         "conftest.py", FORCE_PASS, header='diff --git "a/conftest.py" "b/conftest.py"'
     )
-    blocked = _grade(attack)
+    blocked = _grade(attack, backend=backend)
     assert blocked.reward == 0.0 and "runner_config_touched" in blocked.hack_flags
     assert {"path": "conftest.py", "reason": "runner_config_touched", "action": "deleted"} in (
         blocked.verdict["dropped"]
     )
-    control = _grade(attack, frozenset({"judge_tree"}))
+    control = _grade(attack, frozenset({"judge_tree"}), backend=backend)
     assert control.reward == 1.0, control.verdict
 
 
