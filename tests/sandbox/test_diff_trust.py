@@ -2,7 +2,8 @@
 backends an agent stage plants a hostile ``.git/config`` and ``~/.gitconfig`` (external diff,
 textconv, a clean filter, diff prefixes, hooks, fsmonitor, ``core.attributesFile``), a
 ``.gitattributes`` with filters and ``-diff``, and noise on stderr; ``diff()`` must still give
-well-formed text that applies to the base commit and reproduces the tree's bytes. The control
+well-formed text that applies to the base commit, reproduces the tree's bytes, and grades
+(the fix is in it) with reward 1 in a fresh grading sandbox. The control
 runs the old in-sandbox diff on the same tree, which the agent fools.
 """
 
@@ -55,7 +56,7 @@ OLD_DIFF = (
 
 
 async def _hostile_agent(box: Any) -> None:
-    await box.exec("sed -i 's/width + height/width * height/' geometry.py")
+    await box.exec("sed -i 's/return width + height/return width * height/' geometry.py")
     await box.write_file("notes.txt", b"plain notes\n")
     await box.write_file("evil.sh", EVIL.encode())
     await box.write_file(".gitattributes", b"*.py filter=evil diff=evil\n*.txt -diff\n")
@@ -119,6 +120,33 @@ def test_the_rollout_diff_ignores_what_the_agent_did_to_git(backend: Any) -> Non
     assert _reproduces(patch, files)
     # The control: the old diff, run with the agent's git, takes in its noise and filter.
     assert not _reproduces(old, files)
+    graded = run(_grade(backend, patch))
+    assert graded.reward == 1.0 and graded.verdict["patch_apply"] == "git_apply", graded.verdict
+
+
+async def _grade(backend: Any, patch: str) -> Any:
+    from legorl.records import Trajectory
+    from legorl.verify import VerifyConfig, grade
+
+    t = task()
+    traj = Trajectory(
+        trajectory_id="diff-trust",
+        task_id=t.instance_id,
+        group_id=t.instance_id,
+        sample_index=0,
+        harness="scripted",
+        status="ok",
+        patch=patch,
+    )
+    return await grade(
+        traj,
+        t,
+        backend=backend,
+        tasks_dir=str(TASKS_DIR),
+        run_id=run_id(),
+        turns=[],
+        config=VerifyConfig(),
+    )
 
 
 def test_the_probe_sees_what_git_attributes_and_nested_repos_would_hide(tmp_path: Path) -> None:
