@@ -236,6 +236,8 @@ def test_a_test_patch_that_needs_a_fallback_keeps_the_models_fix() -> None:
 def test_the_strict_reader_refuses_what_git_and_we_could_read_differently() -> None:
     good = _new_file("a b.py", "x = 1\n")
     assert [d.path for d in parse_strict(good)] == ["a b.py"]
+    tabbed = good.replace("+++ b/a b.py\n", "+++ b/a b.py\t\n")  # as git writes it
+    assert [d.path for d in parse_strict(tabbed)] == ["a b.py"]
     for text, flag, line in [
         ("junk\n" + good, "malformed_patch", 1),
         (good + "trailing words\n", "malformed_patch", 7),
@@ -249,6 +251,7 @@ def test_the_strict_reader_refuses_what_git_and_we_could_read_differently() -> N
             1,
         ),
         (good.replace("--- /dev/null", "--- /etc/passwd"), "malformed_patch", 3),
+        (good.replace("\n", "\r\n"), "malformed_patch", 1),
     ]:
         with pytest.raises(PatchError) as err:
             parse_strict(text)

@@ -144,6 +144,8 @@ def sanitize(patch: str, test_patch: str) -> tuple[str, list[tuple[str, str]]]:
 def _unquote(name: str, line: int) -> str:
     """A path as git writes it: plain, or C-quoted when it holds odd bytes."""
     if not name.startswith('"'):
+        if any(ord(ch) < 32 or ord(ch) == 127 for ch in name):
+            raise PatchError(line, f"control character in unquoted path {name!r}")
         return name
     if len(name) < 2 or not name.endswith('"'):
         raise PatchError(line, f"unterminated quoted path {name!r}")
@@ -186,8 +188,9 @@ def check_path(path: str, line: int) -> str:
 
 
 def _side(name: str, prefix: str, line: int) -> str | None:
-    """The path of a ``---``/``+++`` name (None for /dev/null)."""
-    name = _unquote(name, line)
+    """The path of a ``---``/``+++`` name (None for /dev/null); git ends a name that holds
+    a space with a tab."""
+    name = _unquote(name[:-1] if name.endswith("\t") else name, line)
     if name == "/dev/null":
         return None
     if not name.startswith(prefix):
@@ -218,6 +221,7 @@ def _header_paths(rest: str, line: int) -> tuple[str, str] | None:
             return None
     if not old.startswith("a/") or not new.startswith("b/"):
         raise PatchError(line, "the header's paths must start with a/ and b/")
+    old, new = _unquote(old, line), _unquote(new, line)  # unquoted by now: control chars only
     return check_path(old[2:], line), check_path(new[2:], line)
 
 
