@@ -1030,30 +1030,35 @@ class DockerSandbox:
                 helper.close_sync()
 
     def probe_diff(self, root: str, git_dir: str) -> str:
-        """Run ``tree_probe``'s diff of ``root`` in this (trusted) container."""
+        """Run ``tree_probe``'s diff of ``root`` in this (trusted) container: the script on
+        stdin, the request as its argument, the result (patch included) as its last line."""
         work = f"/tmp/legorl-diff-{secrets.token_hex(4)}"
         req = {
             "mode": "diff",
             "root": root,
             "git_dir": git_dir,
             "base": self.base_sha,
-            "index": f"{work}/index",
-            "out": f"{work}/out",
+            "index": f"{work}-index",
+            "out": f"{work}-out",
             "skip_junk": True,
             "respect_ignores": True,
+            "print": True,
         }
-        self.write_file_sync(f"{work}/probe.py", Path(tree_probe.__file__).read_bytes())
-        self.write_file_sync(f"{work}/req.json", json.dumps(req).encode())
         run = self.exec_sync(
-            ["python3", "-I", "-S", f"{work}/probe.py", f"{work}/req.json"], timeout=300, cwd="/"
+            ["python3", "-I", "-S", "-", json.dumps(req)],
+            timeout=300,
+            cwd="/",
+            stdin=Path(tree_probe.__file__).read_bytes(),
+            output_limit=256 << 20,
         )
         try:
-            out = json.loads(self.read_file_sync(f"{work}/out"))
-        except (FileNotFoundError, ValueError):
+            out = json.loads(run.output.strip().splitlines()[-1])
+        except (ValueError, IndexError):
             raise SandboxError(f"sandbox {self.id}: git diff failed: {_last(run.output)}") from None
-        if "error" in out:
-            raise SandboxError(f"sandbox {self.id}: git diff failed: {out['error']}")
-        return self.read_file_sync(f"{work}/out.patch").decode("utf-8", "replace")
+        if "error" in out or run.truncated:
+            why = out.get("error", "the patch is larger than 256 MiB")
+            raise SandboxError(f"sandbox {self.id}: git diff failed: {why}")
+        return str(out["patch"])
 
     # -- close
 

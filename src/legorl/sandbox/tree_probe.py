@@ -3,6 +3,7 @@ and never through the tree's own git configuration, attributes or hooks. Standar
 only: it is copied into a sandbox and run there by a trusted interpreter,
 
     python3 -I -S tree_probe.py REQUEST.json   # or "-": the request on stdin
+    python3 -I -S - '{"mode": …}' < tree_probe.py
 
 where the request names a mode (``survey`` or ``diff``) and the output file (with ``print``
 the result goes to stdout too). Grading (``legorl.verify.tree``) and both sandbox backends' ``diff()`` use it; its
@@ -303,6 +304,8 @@ def _text(git: dict[str, str], root: str, row: dict[str, Any]) -> dict[str, str 
 def main(request_path: str) -> int:
     if request_path == "-":
         req = json.load(sys.stdin)
+    elif request_path.startswith("{"):  # the request itself (the script came on stdin)
+        req = json.loads(request_path)
     else:
         with open(request_path) as fh:
             req = json.load(fh)
@@ -313,6 +316,8 @@ def main(request_path: str) -> int:
         os.makedirs(git["objects"], exist_ok=True)
     result: dict[str, Any] = {}
     try:
+        if os.path.islink(root) or not os.path.isdir(root):
+            raise RuntimeError(f"{root} is not a folder")
         if mode == "survey":  # grading, after the patch: what changed, and what it may shadow
             rows, odd = changes(root, git, req["base"])
             texts = set(req.get("texts", ()))
