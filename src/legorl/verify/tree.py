@@ -29,6 +29,7 @@ from typing import Any
 from legorl.protocols import Sandbox, SandboxError
 from legorl.records import Task
 from legorl.sandbox import tree_probe
+from legorl.sandbox.common import WORKDIR
 from legorl.sandbox.tree_probe import clean_git
 from legorl.verify.patches import PatchError, is_test_file, parse_strict, sanitize, split_diff
 
@@ -67,7 +68,7 @@ class Judged:
 
 def git(*args: str, work_tree: str | None = None, index: str | None = None) -> list[str]:
     """``clean_git`` on grading's copy of the pristine .git and /testbed."""
-    return clean_git(*args, git_dir=GIT_DIR, work_tree=work_tree or "/testbed", index=index)
+    return clean_git(*args, git_dir=GIT_DIR, work_tree=work_tree or WORKDIR, index=index)
 
 
 async def _sh(sandbox: Sandbox, argv: list[str], what: str, timeout: float = 120) -> str:
