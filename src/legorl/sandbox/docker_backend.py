@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from legorl.protocols import ExecResult, Limits, SandboxError
-from legorl.sandbox import cgroups
+from legorl.sandbox import cgroups, tree_probe
 from legorl.sandbox.common import (
     BASE_PATH,
     RELAY_DIR,
@@ -81,6 +81,7 @@ START_HINT = (
     "(or `systemctl start docker`)"
 )
 LABEL = "legorl.sandbox"
+TREE_LIMIT = 4 << 30  # bytes of /testbed copied out for diff()
 
 
 @dataclass(slots=True, kw_only=True)
@@ -759,6 +760,7 @@ class DockerSandbox:
         relay: Relay | None,
         rundir: Path | None,
         runtime: bool,
+        image: str = "",
     ) -> None:
         self.backend = backend
         self.api = backend.api
@@ -769,6 +771,7 @@ class DockerSandbox:
         self.runtime_dir = RUNTIME_DIR if runtime else None
         self.limits = limits
         self.base_sha = base_sha
+        self.image = image
         self._relay = relay
         self._rundir = rundir
         self._deadline = Deadline(limits.wall_s)
@@ -998,12 +1001,59 @@ class DockerSandbox:
         return await asyncio.to_thread(self.diff_sync)
 
     def diff_sync(self) -> str:
-        result = self.exec_sync(
-            ["/bin/sh", "-c", diff_script(self.base_sha)], timeout=300, output_limit=256 << 20
+        """The agent's changes against the base commit, computed outside the agent's reach: the
+        daemon copies /testbed into a fresh container of the pristine instance image (its own
+        git, shell and .git, which the agent never touched) and ``tree_probe`` diffs it there
+        with a clean configuration; the patch is read from a file, never from a merged stream."""
+        import docker.errors
+
+        with tempfile.TemporaryFile(prefix="legorl-tree-") as tmp:
+            try:
+                stream, _ = self.api.get_archive(self.container_id, WORKDIR)
+                for chunk in stream:
+                    if tmp.tell() + len(chunk) > TREE_LIMIT:
+                        raise SandboxError(
+                            f"sandbox {self.id}: the tree is larger than {TREE_LIMIT >> 30} GiB"
+                        )
+                    tmp.write(chunk)
+            except docker.errors.APIError as exc:
+                raise SandboxError(
+                    f"sandbox {self.id}: cannot copy the tree: {_short(exc)}"
+                ) from None
+            tmp.seek(0)
+            helper = self.backend.helper_box(self.image, base_sha=self.base_sha)
+            try:
+                if not self.api.put_archive(helper.container_id, "/tmp", tmp):
+                    raise SandboxError(f"sandbox {self.id}: copying the tree for the diff failed")
+                return helper.probe_diff("/tmp/testbed", f"{WORKDIR}/.git")
+            finally:
+                helper.close_sync()
+
+    def probe_diff(self, root: str, git_dir: str) -> str:
+        """Run ``tree_probe``'s diff of ``root`` in this (trusted) container."""
+        work = f"/tmp/legorl-diff-{secrets.token_hex(4)}"
+        req = {
+            "mode": "diff",
+            "root": root,
+            "git_dir": git_dir,
+            "base": self.base_sha,
+            "index": f"{work}/index",
+            "out": f"{work}/out",
+            "skip_junk": True,
+            "respect_ignores": True,
+        }
+        self.write_file_sync(f"{work}/probe.py", Path(tree_probe.__file__).read_bytes())
+        self.write_file_sync(f"{work}/req.json", json.dumps(req).encode())
+        run = self.exec_sync(
+            ["python3", "-I", "-S", f"{work}/probe.py", f"{work}/req.json"], timeout=300, cwd="/"
         )
-        if result.exit_code != 0:
-            raise SandboxError(f"sandbox {self.id}: git diff failed: {_last(result.output)}")
-        return result.output
+        try:
+            out = json.loads(self.read_file_sync(f"{work}/out"))
+        except (FileNotFoundError, ValueError):
+            raise SandboxError(f"sandbox {self.id}: git diff failed: {_last(run.output)}") from None
+        if "error" in out:
+            raise SandboxError(f"sandbox {self.id}: git diff failed: {out['error']}")
+        return self.read_file_sync(f"{work}/out.patch").decode("utf-8", "replace")
 
     # -- close
 
@@ -1019,28 +1069,6 @@ class DockerSandbox:
             self._relay.close()
         if self._rundir is not None:
             shutil.rmtree(self._rundir.parent, ignore_errors=True)
-
-
-#: Files tools leave behind that never belong in a patch (byte code, test caches).
-JUNK = (
-    "':(exclude,glob)**/__pycache__/**' ':(exclude,glob)**/*.py[co]' "
-    "':(exclude,glob)**/.pytest_cache/**'"
-)
-
-
-def diff_script(base_sha: str) -> str:
-    """``git diff`` of everything (untracked files too) against the base commit, through a
-    throw-away index so the agent's own index is untouched."""
-    git = (
-        "git -c core.hooksPath=/dev/null -c diff.noprefix=false -c diff.relative=false "
-        "-c core.quotepath=off"
-    )
-    return (
-        f'cd {WORKDIR} && idx=$(mktemp) && {{ cp .git/index "$idx" 2>/dev/null || rm -f "$idx"; }} && '
-        f'GIT_INDEX_FILE="$idx" {git} add -A -- . {JUNK} && '
-        f'GIT_INDEX_FILE="$idx" {git} diff --cached --binary --no-color --no-ext-diff '
-        f'--src-prefix=a/ --dst-prefix=b/ {base_sha}; rc=$?; rm -f "$idx"; exit $rc'
-    )
 
 
 def _short(exc: BaseException) -> str:
@@ -1112,6 +1140,37 @@ class DockerBackend:
             return sock, rest
         raw = self.api.exec_start(exec_id, socket=True)
         return getattr(raw, "_sock", raw), b""
+
+    def helper_box(self, image: str, *, base_sha: str) -> DockerSandbox:
+        """A fresh container of ``image`` (no network) for work the agent must not reach."""
+        name = f"legorl-helper-{secrets.token_hex(6)}"
+        host_config = self.api.create_host_config(
+            network_mode="none", auto_remove=True, security_opt=["no-new-privileges"]
+        )
+        try:
+            cid = self.api.create_container(
+                image,
+                command=["sleep", "900"],
+                name=name,
+                labels={LABEL: "1", "legorl.owner": owner_tag(), "legorl.image": image},
+                host_config=host_config,
+            )["Id"]
+            self.api.start(cid)
+        except Exception as exc:
+            raise SandboxError(
+                f"cannot start a helper container of {image}: {_short(exc)}"
+            ) from None
+        limits = Limits(wall_s=900)
+        return DockerSandbox(
+            self,
+            cid,
+            name,
+            limits=limits,
+            base_sha=base_sha,
+            relay=None,
+            rundir=None,
+            runtime=False,
+        )
 
     def remove_container(self, container_id: str) -> None:
         import docker.errors
@@ -1273,6 +1332,7 @@ class DockerBackend:
             relay=relay,
             rundir=rundir,
             runtime=harness_runtime,
+            image=tag,
         )
         touch_usage(tag)
         if relay is not None:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from legorl.protocols import ExecResult, Limits, SandboxError
-from legorl.sandbox import cgroups
+from legorl.sandbox import cgroups, tree_probe
 from legorl.sandbox.common import (
     BASE_PATH,
     ENV_DIR,
@@ -56,7 +56,7 @@ from legorl.sandbox.common import (
     state_root,
     touch_usage,
 )
-from legorl.sandbox.docker_backend import LayerReport, diff_script
+from legorl.sandbox.docker_backend import LayerReport
 from legorl.sandbox.layers import Layer, env_layer, instance_layer, keep_up_to
 from legorl.sandbox.relay import FORWARDER, Relay, inside_port, open_relay, split_proxy_url
 from legorl.sandbox.repo import scrubbed_repo
@@ -331,6 +331,7 @@ class LocalSandbox:
         relay: Relay | None,
         runtime: tuple[Path, list[Path]] | None,
         cgroup: cgroups.CgroupSet | None,
+        pristine_git: Path,
     ) -> None:
         self.backend = backend
         self.id = name
@@ -341,6 +342,7 @@ class LocalSandbox:
         self.limits = limits
         self.base_sha = base_sha
         self.limits_enforced = cgroup is not None
+        self._pristine_git = pristine_git
         self._relay = relay
         self.cgroup = cgroup
         self._deadline = Deadline(limits.wall_s)
@@ -384,13 +386,15 @@ class LocalSandbox:
 
     # -- exec
 
-    def _argv(self, cmd: str | list[str], cwd: str | None) -> list[str]:
+    def _argv(
+        self, cmd: str | list[str], cwd: str | None, extra: tuple[str, ...] = ()
+    ) -> list[str]:
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         if self._port is not None:
             py = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else "python3"
             start = f'{py} {RELAY_DIR}/forwarder.py {self._port} {RELAY_DIR}/proxy.sock --daemon && exec "$@"'
             argv = ["/bin/sh", "-c", start, "sh", *argv]
-        full = [*self._flags, "--chdir", cwd or WORKDIR, "--", *argv]
+        full = [*self._flags, *extra, "--chdir", cwd or WORKDIR, "--", *argv]
         if self.cgroup is not None:
             files = " ".join(f"'{p}'" for p in self.cgroup.procs_files())
             join = f'for f in {files}; do echo $$ > "$f" || exit 125; done; exec "$@"'
@@ -422,6 +426,7 @@ class LocalSandbox:
         stdin: bytes | None = None,
         on_output: Callable[[bytes], None] | None = None,
         output_limit: int | None = None,
+        extra_flags: tuple[str, ...] = (),
     ) -> tuple[ExecResult, bytes]:
         if self._closed:
             raise SandboxError(f"sandbox {self.id} is closed")
@@ -435,7 +440,7 @@ class LocalSandbox:
         started = time.monotonic()
         try:
             proc = await asyncio.create_subprocess_exec(
-                *self._argv(cmd, cwd),
+                *self._argv(cmd, cwd, extra_flags),
                 stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -512,13 +517,52 @@ class LocalSandbox:
         return raw
 
     async def diff(self) -> str:
-        result, _ = await self._run(
-            ["/bin/sh", "-c", diff_script(self.base_sha)], timeout=300, output_limit=256 << 20
-        )
-        if result.exit_code != 0:
-            tail = result.output.strip().splitlines()[-1:] or ["(no output)"]
-            raise SandboxError(f"sandbox {self.id}: git diff failed: {tail[0]}")
-        return result.output
+        """The agent's changes against the base commit: ``tree_probe`` in a fresh bubblewrap
+        (no agent process survives between commands) against the instance layer's pristine
+        .git, bound read-only where the agent never sees it, with a clean configuration and
+        a throw-away index and object store; the patch is read from a file, not a stream."""
+        work = self.root / f"diff-{secrets.token_hex(4)}"
+        work.mkdir()
+        inside = "/run/legorl-diff"
+        pristine = "/run/legorl-pristine.git"
+        req = {
+            "mode": "diff",
+            "root": WORKDIR,
+            "git_dir": pristine,
+            "base": self.base_sha,
+            "index": f"{inside}/index",
+            "objects": f"{inside}/objects",
+            "alternates": f"{pristine}/objects",
+            "out": f"{inside}/out",
+            "skip_junk": True,
+            "respect_ignores": True,
+        }
+        try:
+            shutil.copy(tree_probe.__file__, work / "probe.py")
+            (work / "req.json").write_text(json.dumps(req))
+            result, _ = await self._run(
+                ["python3", "-I", "-S", f"{inside}/probe.py", f"{inside}/req.json"],
+                timeout=300,
+                cwd="/",
+                extra_flags=(
+                    "--ro-bind",
+                    str(self._pristine_git),
+                    pristine,
+                    "--bind",
+                    str(work),
+                    inside,
+                ),
+            )
+            try:
+                out = json.loads((work / "out").read_text())
+            except (OSError, ValueError):
+                tail = result.output.strip().splitlines()[-1:] or ["(no output)"]
+                raise SandboxError(f"sandbox {self.id}: git diff failed: {tail[0]}") from None
+            if "error" in out:
+                raise SandboxError(f"sandbox {self.id}: git diff failed: {out['error']}")
+            return (work / "out.patch").read_bytes().decode("utf-8", "replace")
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
 
     async def close(self) -> None:
         self.close_sync()
@@ -627,6 +671,7 @@ class LocalBackend:
                 relay=relay,
                 runtime=runtime,
                 cgroup=cg,
+                pristine_git=_layer_dir(instance) / "repo" / ".git",
             )
         except BaseException:
             if relay is not None:

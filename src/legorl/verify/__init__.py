@@ -3,10 +3,11 @@ image, with stage-wise defences against reward hacking.
 
     legorl verify runs/traj.jsonl --tasks fixtures/tasks/train.jsonl --sandbox docker --out runs/graded.jsonl
 
-For each trajectory: a new sandbox (never the agent's), no network; the model's patch without
-its changes to tests, test-runner configuration and paths the hidden ``test_patch`` creates
-(dropped and flagged); applied with `git apply`, then 3-way, then `patch --fuzz`; test files as
-at ``base_commit``; ``test_patch`` applied; the tests run with results sent through a signed
+For each trajectory: a new sandbox (never the agent's), no network; the model's patch refused
+unless it is well-formed ``diff --git`` text outside ``.git``, applied with `git apply` (then
+3-way), and judged on the tree it produced (``tree.py``): changes to tests, test-runner
+configuration, the hidden ``test_patch``'s paths, ``.git`` and shadowing names are reverted and
+flagged; ``test_patch`` applied; the tests run with results sent through a signed
 side channel (`pytest_report.py`) and the runner's exit code taken from the sandbox, never from
 the log. Every FAIL_TO_PASS and PASS_TO_PASS test must report `passed`; missing, errored,
 skipped or timed-out tests fail. Trajectories with environment-failure statuses pass through
@@ -19,7 +20,6 @@ import asyncio
 import contextlib
 import re
 import secrets
-import shlex
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, replace
@@ -29,10 +29,9 @@ from typing import Any
 from legorl.protocols import Limits, Sandbox, SandboxBackend, SandboxError
 from legorl.records import ENVIRONMENT_FAILURES, Task, Trajectory, Turn
 from legorl.verify.parsers import PARSERS
-from legorl.verify.patches import sanitize, split_diff
+from legorl.verify.tree import GRADE_DIR, apply_model_patch, apply_test_patch
 
 HERE = Path(__file__).resolve().parent
-GRADE_DIR = "/tmp/legorl-grade"  # inside the grading sandbox, outside the repository
 
 _HISTORY = re.compile(
     r"git\s+(log|reflog|show|fsck|cat-file|rev-list|for-each-ref|describe|stash|tag|"
@@ -49,6 +48,10 @@ _PASSED_LINE = re.compile(r"^(\S+::\S+)\s+PASSED|PASSED\s+(\S+::\S+)", re.MULTIL
 class VerifyConfig:
     test_timeout: float = 300.0
     limits: Limits | None = None
+    #: Test-only: defences switched off, for the controls that show each one matters.
+    #: "judge_tree": the old header-level ``sanitize`` instead of judging the applied tree;
+    #: "strict_patch": malformed text and .git paths not refused, the old git and fallbacks.
+    defences_off: frozenset[str] = frozenset()
 
 
 def flags_from_turns(turns: Iterable[Turn]) -> list[str]:
@@ -61,29 +64,6 @@ def flags_from_turns(turns: Iterable[Turn]) -> list[str]:
             if _NETWORK.search(call.arguments):
                 flags.add("network_attempt")
     return sorted(flags)
-
-
-async def _apply(sandbox: Sandbox, patch: str, name: str) -> tuple[str | None, str]:
-    """Apply ``patch``: (method that worked or None, the last error)."""
-    path = f"{GRADE_DIR}/{name}"
-    await sandbox.write_file(
-        path, patch.encode() if patch.endswith("\n") else (patch + "\n").encode()
-    )
-    attempts = [
-        ("git_apply", f"git apply --whitespace=nowarn {path}"),
-        ("git_apply_3way", f"git apply --3way --whitespace=nowarn {path}"),
-        ("patch_fuzz", f"patch --batch --forward --fuzz=5 -p1 -i {path}"),
-    ]
-    error = ""
-    for method, cmd in attempts:
-        result = await sandbox.exec(["sh", "-c", cmd], timeout=120, cwd=sandbox.workdir)
-        if result.exit_code == 0:
-            return method, ""
-        error = result.output.strip()[-500:]
-        await sandbox.exec(
-            ["sh", "-c", "git checkout -q -- . && git clean -fdq"], timeout=120, cwd=sandbox.workdir
-        )
-    return None, error
 
 
 def _test_command(task: Task) -> str:
@@ -111,9 +91,6 @@ async def grade(
     flags = set(flags_from_turns(turns))
     verdict: dict[str, Any] = {"resolved": False}
     t0 = time.monotonic()
-    clean, dropped = sanitize(traj.patch, task.test_patch)
-    flags.update(reason for _, reason in dropped)
-    verdict["dropped"] = [{"path": p, "reason": r} for p, r in dropped]
     sandbox: Sandbox | None = None
     try:
         sandbox = await backend.start(
@@ -124,30 +101,18 @@ async def grade(
             limits=config.limits,
             harness_runtime=False,
         )
-        await sandbox.exec(["mkdir", "-p", GRADE_DIR], timeout=30)
-        method: str | None = "empty"
-        if clean.strip():
-            method, error = await _apply(sandbox, clean, "model.patch")
-            if method is None:
-                verdict.update(patch_apply=None, reason=f"the patch does not apply: {error}")
-                return _done(traj, 0.0, verdict, flags, t0)
-        verdict["patch_apply"] = method
-        # Hidden tests as the task defines them, whatever the patch did around them.
-        hidden = [d.path for d in split_diff(task.test_patch)]
-        existing = await sandbox.exec(
-            ["sh", "-c", "git ls-files -- " + " ".join(shlex.quote(p) for p in hidden)],
-            timeout=60,
-            cwd=sandbox.workdir,
+        judged = await apply_model_patch(
+            sandbox, task, traj.patch, defences_off=config.defences_off
         )
-        tracked = existing.output.split()
-        if tracked:
-            await sandbox.exec(
-                ["git", "checkout", "-q", "HEAD", "--", *tracked], timeout=60, cwd=sandbox.workdir
-            )
-        for path in hidden:
-            if path not in tracked:
-                await sandbox.exec(["rm", "-f", "--", path], timeout=30, cwd=sandbox.workdir)
-        applied, error = await _apply(sandbox, task.test_patch, "test.patch")
+        flags.update(judged.flags)
+        verdict["dropped"] = judged.reverted
+        if judged.method is None:
+            why = judged.error if judged.refused else f"the patch does not apply: {judged.error}"
+            verdict.update(patch_apply=None, reason=why)
+            return _done(traj, 0.0, verdict, flags, t0)
+        verdict["patch_apply"] = judged.method
+        clean = judged.diff
+        applied, error = await apply_test_patch(sandbox, task, defences_off=config.defences_off)
         if applied is None:
             verdict["reason"] = f"the task's test_patch does not apply: {error}"
             return _done(traj, None, verdict, flags, t0)

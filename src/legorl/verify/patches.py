@@ -1,8 +1,13 @@
-"""What of a model's patch may reach grading: file diffs to tests, test-runner configuration and
-paths the hidden ``test_patch`` creates are dropped and named, everything else is kept.
+"""Patch text: the strict reader grading accepts, and the old header-level filter.
 
-    clean, dropped = sanitize(trajectory.patch, task.test_patch)
-    # dropped: [("tests/test_geo.py", "tests_touched"), ("conftest.py", "runner_config_touched")]
+    sections = parse_strict(trajectory.patch)  # PatchError(line, flag, message) when refused
+    clean, dropped = sanitize(trajectory.patch, task.test_patch)  # only with judge_tree off
+
+``parse_strict`` accepts exactly a sequence of well-formed ``diff --git`` sections, each path
+relative, without ``.``/``..`` parts and outside any ``.git``, whose header, ``---``/``+++``
+lines and hunk counts agree: text that git and our reader could read differently never
+reaches ``git apply``. What a patch may change is decided later, on the tree it produces
+(``legorl.verify.tree``); ``sanitize`` is the old decision from headers, kept as the control.
 """
 
 from __future__ import annotations
@@ -10,6 +15,33 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath
+
+_HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@(?: .*)?$")
+_MODE = r"(100644|100755|120000)"
+_EXTENDED = [
+    re.compile(p)
+    for p in (
+        rf"^old mode {_MODE}$",
+        rf"^new mode {_MODE}$",
+        rf"^deleted file mode {_MODE}$",
+        rf"^new file mode {_MODE}$",
+        r"^similarity index \d{1,3}%$",
+        r"^dissimilarity index \d{1,3}%$",
+        rf"^index [0-9a-f]{{7,64}}\.\.[0-9a-f]{{7,64}}(?: {_MODE})?$",
+    )
+]
+_BASE85 = re.compile(r"^[A-Za-z][0-9A-Za-z!#$%&()*+;<=>?@^_`{|}~-]+$")
+_ESCAPES = {"a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13, '"': 34, "\\": 92}
+
+
+class PatchError(ValueError):
+    """Patch text grading refuses: ``flag`` is ``malformed_patch`` or ``git_dir_touched``."""
+
+    def __init__(self, line: int, message: str, flag: str = "malformed_patch") -> None:
+        super().__init__(f"line {line}: {message}")
+        self.line = line
+        self.flag = flag
+
 
 _HEADER = re.compile(r"^diff --git a/(.*?) b/(.*)$")
 _RUNNER_FILES = {
@@ -63,7 +95,7 @@ def is_test_file(path: str) -> bool:
     p = PurePosixPath(path)
     name = p.name
     return (
-        any(part in _TEST_DIRS for part in p.parts[:-1])
+        any(part in _TEST_DIRS for part in p.parts)
         or (name.startswith("test_") and name.endswith(".py"))
         or name.endswith("_test.py")
     )
@@ -107,3 +139,192 @@ def sanitize(patch: str, test_patch: str) -> tuple[str, list[tuple[str, str]]]:
         else:
             kept.append(diff.text)
     return "".join(kept), dropped
+
+
+def _unquote(name: str, line: int) -> str:
+    """A path as git writes it: plain, or C-quoted when it holds odd bytes."""
+    if not name.startswith('"'):
+        return name
+    if len(name) < 2 or not name.endswith('"'):
+        raise PatchError(line, f"unterminated quoted path {name!r}")
+    out = bytearray()
+    body, i = name[1:-1], 0
+    while i < len(body):
+        ch = body[i]
+        if ch != "\\":
+            if ch == '"':
+                raise PatchError(line, f"stray quote in path {name!r}")
+            out += ch.encode()
+            i += 1
+            continue
+        nxt = body[i + 1 : i + 2]
+        if nxt in _ESCAPES:
+            out.append(_ESCAPES[nxt])
+            i += 2
+        elif re.fullmatch(r"[0-3][0-7]{2}", body[i + 1 : i + 4]):
+            out.append(int(body[i + 1 : i + 4], 8))
+            i += 4
+        else:
+            raise PatchError(line, f"bad escape in path {name!r}")
+    try:
+        return out.decode()
+    except UnicodeDecodeError:
+        raise PatchError(line, f"path {name!r} is not UTF-8") from None
+
+
+def check_path(path: str, line: int) -> str:
+    """``path`` if grading may let a patch write it: relative, no empty, ``.`` or ``..`` part,
+    nothing under a ``.git`` (in any case)."""
+    if not path or path.startswith("/") or "\0" in path:
+        raise PatchError(line, f"path {path!r} is not relative")
+    parts = path.split("/")
+    if any(p.casefold() == ".git" for p in parts):
+        raise PatchError(line, f"path {path!r} is inside a .git folder", "git_dir_touched")
+    if any(p in ("", ".", "..") for p in parts):
+        raise PatchError(line, f"path {path!r} has an empty, '.' or '..' part")
+    return path
+
+
+def _side(name: str, prefix: str, line: int) -> str | None:
+    """The path of a ``---``/``+++`` name (None for /dev/null)."""
+    name = _unquote(name, line)
+    if name == "/dev/null":
+        return None
+    if not name.startswith(prefix):
+        raise PatchError(line, f"{name!r} does not start with {prefix!r}")
+    return check_path(name[len(prefix) :], line)
+
+
+def _header_paths(rest: str, line: int) -> tuple[str, str] | None:
+    """(old, new) from ``a/OLD b/NEW`` when that is unambiguous, else None (paths with spaces:
+    then the other lines must name them)."""
+    if rest.startswith('"'):
+        end = rest.find('"', 1)
+        while end > 0 and rest[end - 1] == "\\":
+            end = rest.find('"', end + 1)
+        if end < 0:
+            raise PatchError(line, "unterminated quoted path in the header")
+        old, new = _unquote(rest[: end + 1], line), _unquote(rest[end + 2 :], line)
+    elif rest.count(" b/") == 1:
+        old, _, new = rest.partition(" b/")
+        new = "b/" + new
+    elif rest.count(" ") == 1:
+        old, _, new = rest.partition(" ")
+        new = _unquote(new, line)
+    else:
+        half = (len(rest) - 1) // 2
+        old, new = rest[:half], rest[half + 1 :]
+        if rest[half] != " " or old[2:] != new[2:]:
+            return None
+    if not old.startswith("a/") or not new.startswith("b/"):
+        raise PatchError(line, "the header's paths must start with a/ and b/")
+    return check_path(old[2:], line), check_path(new[2:], line)
+
+
+def parse_strict(patch: str) -> list[FileDiff]:
+    """The sections of ``patch`` if it is exactly well-formed ``diff --git`` sections; else
+    ``PatchError`` naming the line."""
+    lines = patch.splitlines(keepends=True)
+    sections: list[FileDiff] = []
+    i = 0
+    while i < len(lines):
+        start = i
+        head = lines[i].rstrip("\n")
+        if not head.startswith("diff --git "):
+            raise PatchError(i + 1, f"expected a 'diff --git' header, found {head[:60]!r}")
+        named = _header_paths(head[len("diff --git ") :], i + 1)
+        i += 1
+        renames: dict[str, str] = {}
+        creates = deletes = False
+        while i < len(lines):
+            text = lines[i].rstrip("\n")
+            key = next((k for k in ("rename from ", "rename to ", "copy from ", "copy to ")
+                        if text.startswith(k)), None)  # fmt: skip
+            if key:
+                renames[key.strip()] = check_path(_unquote(text[len(key) :], i + 1), i + 1)
+            elif any(p.match(text) for p in _EXTENDED):
+                creates |= text.startswith("new file mode")
+                deletes |= text.startswith("deleted file mode")
+            else:
+                break
+            i += 1
+        old = renames.get("rename from") or renames.get("copy from")
+        new = renames.get("rename to") or renames.get("copy to")
+        text = lines[i].rstrip("\n") if i < len(lines) else ""
+        if text.startswith("--- "):
+            if i + 1 >= len(lines) or not lines[i + 1].startswith("+++ "):
+                raise PatchError(i + 2, "a '---' line without its '+++' line")
+            minus = _side(text[4:], "a/", i + 1)
+            plus = _side(lines[i + 1].rstrip("\n")[4:], "b/", i + 2)
+            if (minus is None) != creates or (plus is None) != deletes:
+                raise PatchError(i + 1, "'/dev/null' does not agree with the file mode lines")
+            old, new = minus or old or plus, plus or new or minus
+            i = _hunks(lines, i + 2)
+        elif text == "GIT binary patch":
+            i = _binary(lines, i + 1)
+        elif text.startswith("Binary files "):
+            i += 1
+        if named is not None:
+            if (old or named[0]) != named[0] or (new or named[1]) != named[1]:
+                raise PatchError(start + 1, "the header names other paths than the section")
+            old, new = named
+        if old is None or new is None:
+            raise PatchError(start + 1, "cannot tell which file the section changes")
+        body = "".join(lines[start:i])
+        sections.append(FileDiff(old, new if not deletes else "/dev/null", body))
+    return sections
+
+
+def _hunks(lines: list[str], i: int) -> int:
+    """Past the hunks starting at ``i``, each with exactly the lines its header counts."""
+    seen = 0
+    while i < len(lines) and lines[i].startswith("@@"):
+        match = _HUNK.match(lines[i].rstrip("\n"))
+        if not match:
+            raise PatchError(i + 1, f"bad hunk header {lines[i].rstrip()[:60]!r}")
+        old = int(match.group(2) if match.group(2) is not None else 1)
+        new = int(match.group(4) if match.group(4) is not None else 1)
+        i += 1
+        last = ""
+        while old > 0 or new > 0:
+            if i >= len(lines):
+                raise PatchError(i, "the patch ends inside a hunk")
+            tag = lines[i][:1]
+            if tag == " ":
+                old, new = old - 1, new - 1
+            elif tag == "-":
+                old -= 1
+            elif tag == "+":
+                new -= 1
+            elif tag == "\\" and last:
+                pass
+            else:
+                raise PatchError(i + 1, f"a line that is not part of the hunk: {lines[i][:60]!r}")
+            if old < 0 or new < 0:
+                raise PatchError(i + 1, "more hunk lines than the hunk header counts")
+            last = tag
+            i += 1
+        if i < len(lines) and lines[i].startswith("\\ "):
+            i += 1
+        seen += 1
+    if not seen:
+        raise PatchError(i + 1, "a '+++' line without a hunk")
+    return i
+
+
+def _binary(lines: list[str], i: int) -> int:
+    """Past a ``GIT binary patch`` body: one or two literal/delta blocks, each ending blank."""
+    for block in range(2):
+        if i >= len(lines) or not re.fullmatch(r"(literal|delta) \d+", lines[i].rstrip("\n")):
+            if block == 1:
+                return i
+            raise PatchError(i + 1, "a binary patch without its 'literal'/'delta' line")
+        i += 1
+        while i < len(lines) and lines[i].rstrip("\n"):
+            if not _BASE85.match(lines[i].rstrip("\n")):
+                raise PatchError(i + 1, "a bad line in a binary patch")
+            i += 1
+        if i >= len(lines):
+            raise PatchError(i, "the patch ends inside a binary patch")
+        i += 1
+    return i

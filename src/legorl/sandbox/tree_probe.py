@@ -1,0 +1,352 @@
+"""What a working tree really holds against a base commit, read from the file system itself
+and never through the tree's own git configuration, attributes or hooks. Standard library
+only: it is copied into a sandbox and run there by a trusted interpreter,
+
+    python3 -I -S tree_probe.py REQUEST.json
+
+where the request names a mode (``survey`` or ``diff``) and the output file. Grading (``legorl.verify.tree``) and both sandbox backends' ``diff()`` use it; its
+``clean_git`` builds every git command line they run.
+
+Files are hashed as git would store them with no filter at all (``blob <size>\\0<bytes>``), so
+an attribute (``eol``, ``ident``, ``working-tree-encoding``, ``filter``) in the tree cannot make
+a changed file look unchanged, and a nested ``.git`` cannot hide a folder from the listing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import subprocess
+import sys
+from typing import Any
+
+#: git configuration forced on every command: no hooks, no fsmonitor, no external diff or
+#: textconv, no attributes beyond the repository's own files, no system or user config.
+_CONFIG = (
+    "core.hooksPath=/dev/null",
+    "core.fsmonitor=false",
+    "core.untrackedCache=false",
+    "core.attributesFile=/dev/null",
+    "core.excludesFile=/dev/null",
+    "core.quotePath=false",
+    "core.autocrlf=false",
+    "core.safecrlf=false",
+    "core.symlinks=true",
+    "core.fileMode=true",
+    "diff.noprefix=false",
+    "diff.relative=false",
+    "diff.mnemonicPrefix=false",
+    "diff.renames=false",
+    "color.ui=false",
+    "safe.directory=*",
+    "protocol.allow=never",
+)
+_ENV = (
+    "GIT_CONFIG_NOSYSTEM=1",
+    "GIT_CONFIG_GLOBAL=/dev/null",
+    "GIT_ATTR_NOSYSTEM=1",
+    "HOME=/nonexistent",
+    "XDG_CONFIG_HOME=/nonexistent",
+    "GIT_TERMINAL_PROMPT=0",
+    "GIT_OPTIONAL_LOCKS=0",
+)
+_UNSET = (
+    "GIT_DIR",
+    "GIT_WORK_TREE",
+    "GIT_INDEX_FILE",
+    "GIT_OBJECT_DIRECTORY",
+    "GIT_ALTERNATE_OBJECT_DIRECTORIES",
+    "GIT_EXTERNAL_DIFF",
+    "GIT_CONFIG",
+    "GIT_CONFIG_PARAMETERS",
+    "GIT_CONFIG_COUNT",
+    "GIT_NAMESPACE",
+    "GIT_CEILING_DIRECTORIES",
+    "GIT_ATTR_SOURCE",
+)
+
+JUNK_DIRS = ("__pycache__", ".pytest_cache")
+JUNK_SUFFIXES = (".pyc", ".pyo")
+
+
+def clean_git(
+    *args: str,
+    git_dir: str,
+    work_tree: str | None = None,
+    index: str | None = None,
+    objects: str | None = None,
+    alternates: str | None = None,
+) -> list[str]:
+    """The one git command line of grading and of the rollout diff: ``env`` with a clean
+    configuration, an explicit git dir (and work tree, index, object store), then ``args``."""
+    env = ["env", *(f"-u{name}" for name in _UNSET), *_ENV]
+    if index is not None:
+        env.append(f"GIT_INDEX_FILE={index}")
+    if objects is not None:
+        env.append(f"GIT_OBJECT_DIRECTORY={objects}")
+    if alternates is not None:
+        env.append(f"GIT_ALTERNATE_OBJECT_DIRECTORIES={alternates}")
+    argv = [*env, "git", f"--git-dir={git_dir}"]
+    argv.append(f"--work-tree={work_tree}" if work_tree is not None else "--bare")
+    for item in _CONFIG:
+        argv += ["-c", item]
+    return [*argv, *args]
+
+
+def blob_sha(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _entry(full: str) -> tuple[str, str, bytes] | None:
+    """(git mode, blob sha, bytes) of a regular file or symlink; None for anything else."""
+    st = os.lstat(full)
+    if stat.S_ISLNK(st.st_mode):
+        data = os.fsencode(os.readlink(full))
+        return "120000", blob_sha(data), data
+    if stat.S_ISREG(st.st_mode):
+        with open(full, "rb") as fh:
+            data = fh.read()
+        return ("100755" if st.st_mode & stat.S_IXUSR else "100644"), blob_sha(data), data
+    return None
+
+
+def walk(root: str, *, skip_junk: bool = False) -> tuple[dict[str, tuple[str, str]], list[str]]:
+    """({path: (mode, sha)} of every file and symlink under ``root`` except its own ``.git``,
+    [paths of other kinds: fifos, sockets, devices])."""
+    found: dict[str, tuple[str, str]] = {}
+    odd: list[str] = []
+    stack = [""]
+    while stack:
+        rel = stack.pop()
+        with os.scandir(os.path.join(root, rel) if rel else root) as it:
+            entries = list(it)
+        for de in entries:
+            path = f"{rel}/{de.name}" if rel else de.name
+            if path == ".git":
+                continue
+            if de.is_dir(follow_symlinks=False):
+                if skip_junk and de.name in JUNK_DIRS:
+                    continue
+                stack.append(path)
+                continue
+            if skip_junk and de.name.endswith(JUNK_SUFFIXES):
+                continue
+            got = _entry(os.path.join(root, path))
+            if got is None:
+                odd.append(path)
+            else:
+                found[path] = (got[0], got[1])
+    return found, odd
+
+
+def _run(argv: list[str], data: bytes | None = None) -> bytes:
+    proc = subprocess.run(argv, input=data, capture_output=True, check=False)
+    if proc.returncode != 0:
+        err = proc.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+        raise RuntimeError(f"{' '.join(argv[-3:])}: {err[0]}")
+    return proc.stdout
+
+
+def base_tree(git: dict[str, str], base: str) -> dict[str, tuple[str, str]]:
+    out = _run(clean_git("ls-tree", "-r", "-z", "--full-tree", base, **git))
+    tree: dict[str, tuple[str, str]] = {}
+    for item in out.split(b"\0"):
+        if not item:
+            continue
+        meta, _, path = item.partition(b"\t")
+        mode, _kind, sha = meta.decode().split()
+        tree[os.fsdecode(path)] = (mode, sha)
+    return tree
+
+
+def changes(
+    root: str, git: dict[str, str], base: str, *, skip_junk: bool = False
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every path whose mode or bytes differ from ``base``: {path, before, after} with
+    [mode, sha] or None, sorted by path; and the odd (non-file) paths."""
+    now, odd = walk(root, skip_junk=skip_junk)
+    then = base_tree(git, base)
+    out = []
+    for path in sorted(set(now) | set(then)):
+        before, after = then.get(path), now.get(path)
+        if before != after:
+            out.append(
+                {
+                    "path": path,
+                    "before": list(before) if before else None,
+                    "after": list(after) if after else None,
+                }
+            )
+    return out, odd
+
+
+def ignored(root: str, git: dict[str, str], paths: list[str]) -> set[str]:
+    """Which untracked ``paths`` the tree's own ignore rules exclude (as ``git add -A`` would)."""
+    if not paths:
+        return set()
+    proc = subprocess.run(
+        clean_git("check-ignore", "-z", "--stdin", **{**git, "work_tree": root}),
+        input=b"\0".join(os.fsencode(p) for p in paths) + b"\0",
+        capture_output=True,
+        cwd=root,
+        check=False,
+    )
+    if proc.returncode not in (0, 1):
+        raise RuntimeError(f"check-ignore: {proc.stderr.decode(errors='replace').strip()}")
+    return {os.fsdecode(p) for p in proc.stdout.split(b"\0") if p}
+
+
+def write_tree(root: str, git: dict[str, str], base: str, rows: list[dict[str, Any]]) -> str:
+    """A tree object: ``base`` with ``rows`` (from ``changes``) applied, blobs stored as the
+    raw bytes on disk. Needs ``git['index']`` (a throw-away index) and a writable store."""
+    _run(clean_git("read-tree", base, **git))
+    info = []
+    for row in rows:
+        path = row["path"]
+        if row["after"] is None:
+            info.append(b"0 " + b"0" * 40 + b"\t" + os.fsencode(path))
+            continue
+        got = _entry(os.path.join(root, path))
+        if got is None:
+            continue
+        mode, sha, data = got
+        stored = _run(clean_git("hash-object", "-w", "--no-filters", "--stdin", **git), data)
+        if stored.decode().strip() != sha:
+            raise RuntimeError(f"{path}: git stored another hash than the bytes' own")
+        info.append(f"{mode} {sha}".encode() + b"\t" + os.fsencode(path))
+    if info:
+        _run(clean_git("update-index", "-z", "--index-info", **git), b"\0".join(info) + b"\0")
+    return _run(clean_git("write-tree", **git)).decode().strip()
+
+
+def tree_diff(git: dict[str, str], base: str, tree: str) -> bytes:
+    """The binary-safe patch from ``base`` to ``tree``, with no attributes (no work tree, an
+    empty index) and no external diff or textconv."""
+    plain = {k: v for k, v in git.items() if k != "work_tree"}
+    plain["index"] = git["index"] + ".none"  # a missing index reads as an empty one
+    if os.path.lexists(plain["index"]):
+        os.unlink(plain["index"])
+    return _run(
+        clean_git(
+            "diff-tree",
+            "-r",
+            "-p",
+            "--binary",
+            "--full-index",
+            "--no-ext-diff",
+            "--no-textconv",
+            "--no-renames",
+            "--src-prefix=a/",
+            "--dst-prefix=b/",
+            base,
+            tree,
+            **plain,
+        )
+    )
+
+
+def shadowable(extra_dirs: list[str], repo: str) -> list[str]:
+    """Top-level module names this interpreter can import without the repository: builtins,
+    the standard library, every installed distribution, and ``extra_dirs`` (grading's own)."""
+    import importlib.machinery
+    import site
+    import sysconfig
+
+    names = set(sys.builtin_module_names)
+    names.update(getattr(sys, "stdlib_module_names", ()))
+    suffixes = tuple(importlib.machinery.all_suffixes())
+    dirs = [p for p in sys.path if p]
+    dirs += site.getsitepackages() + [sysconfig.get_paths()["stdlib"], *extra_dirs]
+    # Run with -S, a virtualenv's own site-packages is not on sys.path: find it as site would,
+    # without running its .pth files.
+    venv = os.path.dirname(os.path.dirname(os.path.abspath(sys.executable)))
+    if os.path.isfile(os.path.join(venv, "pyvenv.cfg")):
+        version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+        for lib in ("lib", "lib64"):
+            dirs.append(os.path.join(venv, lib, version, "site-packages"))
+    repo_real = os.path.realpath(repo)
+    for folder in dirs:
+        real = os.path.realpath(folder)
+        if real == repo_real or real.startswith(repo_real + os.sep) or not os.path.isdir(real):
+            continue
+        for name in os.listdir(real):
+            full = os.path.join(real, name)
+            if os.path.isdir(full):
+                if name.isidentifier():
+                    names.add(name)
+                continue
+            for suffix in suffixes:
+                if name.endswith(suffix) and name[: -len(suffix)].isidentifier():
+                    names.add(name[: -len(suffix)])
+                    break
+            else:
+                mod = name.split(".", 1)[0]
+                if name.endswith((".so", ".pyd")) and mod.isidentifier():
+                    names.add(mod)
+    return sorted(names)
+
+
+def _text(git: dict[str, str], root: str, row: dict[str, Any]) -> dict[str, str | None]:
+    before = after = None
+    if row["before"]:
+        before = _run(clean_git("cat-file", "blob", row["before"][1], **git)).decode(
+            "utf-8", "replace"
+        )
+    if row["after"] and row["after"][0] != "120000":
+        with open(os.path.join(root, row["path"]), "rb") as fh:
+            after = fh.read().decode("utf-8", "replace")
+    return {"before_text": before, "after_text": after}
+
+
+def main(request_path: str) -> int:
+    with open(request_path) as fh:
+        req = json.load(fh)
+    mode, root, out = req["mode"], req.get("root", "/testbed"), req["out"]
+    git = {k: req[k] for k in ("git_dir", "index", "objects", "alternates") if req.get(k)}
+    git["work_tree"] = root
+    if git.get("objects"):
+        os.makedirs(git["objects"], exist_ok=True)
+    result: dict[str, Any] = {}
+    try:
+        if mode == "survey":  # grading, after the patch: what changed, and what it may shadow
+            rows, odd = changes(root, git, req["base"])
+            texts = set(req.get("texts", ()))
+            for row in rows:
+                if os.path.basename(row["path"]) in texts:
+                    row.update(_text(git, root, row))
+            now, _ = walk(req["gitdir"][0])
+            then, _ = walk(req["gitdir"][1])
+            result = {
+                "changes": rows,
+                "odd": odd,
+                "base_paths": sorted(base_tree(git, req["base"])),
+                "names": shadowable(req.get("extra_dirs", []), root),
+                "gitdir_differ": sorted(
+                    p for p in set(now) | set(then) if now.get(p) != then.get(p)
+                ),
+            }
+        elif mode == "diff":
+            rows, odd = changes(root, git, req["base"], skip_junk=req.get("skip_junk", False))
+            result = {"changes": rows, "odd": odd}
+            if req.get("respect_ignores"):
+                fresh = [r["path"] for r in rows if r["before"] is None]
+                drop = ignored(root, git, fresh)
+                rows = [r for r in rows if r["path"] not in drop]
+            rows = [r for r in rows if ".git" not in r["path"].casefold().split("/")]
+            tree = write_tree(root, git, req["base"], rows)
+            with open(out + ".patch", "wb") as fh:
+                fh.write(tree_diff(git, req["base"], tree))
+            result.update(tree=tree, paths=[r["path"] for r in rows])
+        else:
+            raise RuntimeError(f"unknown mode {mode!r}")
+    except (OSError, RuntimeError) as exc:
+        result = {"error": f"{type(exc).__name__}: {exc}"}
+    with open(out, "w") as fh:
+        json.dump(result, fh)
+    return 0 if "error" not in result else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

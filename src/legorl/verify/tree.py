@@ -1,0 +1,465 @@
+"""Grading's apply-and-judge phase: the model's patch is applied in the grading sandbox, and
+every rule is decided on the tree it produced, as the file system holds it (``tree_probe``),
+never on what the patch text says. Run by ``legorl verify`` through ``grade()``:
+
+    judged = await apply_model_patch(sandbox, task, patch, defences_off=frozenset())
+    judged.reverted   # [{"path": "conftest.py", "reason": "runner_config_touched", ...}]
+    judged.changed, judged.diff   # the real changed paths and patch of the judged tree
+    applied, error = await apply_test_patch(sandbox, task)
+
+A path that breaks a rule (tests, runner configuration, the hidden test_patch's paths,
+anything under a ``.git``, compiled code, a new top-level name that shadows a module the
+environment has) is put back as it was at the base commit and named; the rest is kept. Every
+git command runs through ``tree_probe.clean_git`` against a copy of the pristine ``.git``
+taken before the patch, so nothing the patch writes (hooks, config, attributes) runs.
+"""
+
+from __future__ import annotations
+
+import configparser
+import functools
+import json
+import secrets
+import shlex
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from legorl.protocols import Sandbox, SandboxError
+from legorl.records import Task
+from legorl.sandbox import tree_probe
+from legorl.sandbox.tree_probe import clean_git
+from legorl.verify.patches import PatchError, is_test_file, parse_strict, sanitize, split_diff
+
+GRADE_DIR = "/tmp/legorl-grade"  # inside the grading sandbox, outside the repository
+GIT_DIR = f"{GRADE_DIR}/git"  # grading's working copy of the pristine .git
+ORIG_GIT = f"{GRADE_DIR}/orig.git"  # the pristine .git, only ever compared with
+PROBE = f"{GRADE_DIR}/tree_probe.py"
+SNAPSHOT = f"{GRADE_DIR}/judged.tar"
+
+#: Files the interpreter or pytest runs by their name alone, wherever they are.
+RUNNER_FILES = {"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "noxfile.py"}
+SITE_HOOKS = {"sitecustomize", "usercustomize"}
+#: Config files where only the pytest sections are runner configuration.
+PYTEST_SECTIONS = {"pyproject.toml", "setup.cfg"}
+MODULE_SUFFIXES = (".py", ".pyc", ".pyo", ".pyw", ".so", ".pyd")
+
+
+@dataclass(slots=True)
+class Judged:
+    """What applying the model's patch did."""
+
+    method: str | None = "empty"  # git_apply | git_apply_3way | patch_fuzz | empty | None
+    error: str = ""  # why it did not apply (method None)
+    refused: str | None = None  # a flag when the patch text was refused before applying
+    reverted: list[dict[str, str]] = field(default_factory=list)  # {path, reason, action}
+    changed: list[str] = field(default_factory=list)  # real changed paths after reverts
+    diff: str = ""  # the judged tree's real patch against the base commit
+
+    @property
+    def flags(self) -> set[str]:
+        out = {r["reason"] for r in self.reverted}
+        if self.refused:
+            out.add(self.refused)
+        return out
+
+
+def git(*args: str, work_tree: str | None = None, index: str | None = None) -> list[str]:
+    """``clean_git`` on grading's copy of the pristine .git and /testbed."""
+    return clean_git(*args, git_dir=GIT_DIR, work_tree=work_tree or "/testbed", index=index)
+
+
+async def _sh(sandbox: Sandbox, argv: list[str], what: str, timeout: float = 120) -> str:
+    result = await sandbox.exec(argv, timeout=timeout, cwd=sandbox.workdir)
+    if result.exit_code != 0:
+        raise SandboxError(f"grading: {what} failed: {result.output.strip()[-300:]}")
+    return result.output
+
+
+async def prepare(sandbox: Sandbox) -> None:
+    """The grading folder, the probe, and two copies of the pristine .git (before any patch)."""
+    wd = sandbox.workdir
+    await _sh(
+        sandbox,
+        [
+            "sh",
+            "-c",
+            f"mkdir -p {GRADE_DIR} && cp -a {wd}/.git {GIT_DIR} && cp -a {wd}/.git {ORIG_GIT}",
+        ],
+        "copying the pristine .git",
+    )
+    await sandbox.write_file(PROBE, Path(tree_probe.__file__).read_bytes())
+
+
+async def probe(sandbox: Sandbox, mode: str, python: str = "python3", **req: Any) -> dict[str, Any]:
+    """Run ``tree_probe`` in the sandbox (isolated interpreter: no site, no cwd, no env)."""
+    name = f"{GRADE_DIR}/probe-{secrets.token_hex(4)}"
+    body = {"mode": mode, "out": f"{name}.out", "root": sandbox.workdir, "git_dir": GIT_DIR, **req}
+    await sandbox.write_file(f"{name}.json", json.dumps(body).encode())
+    run = await sandbox.exec(
+        ["sh", "-c", f"cd / && {python} -I -S {PROBE} {name}.json"], timeout=300, cwd="/"
+    )
+    try:
+        out = json.loads(await sandbox.read_file(f"{name}.out"))
+    except (FileNotFoundError, SandboxError, ValueError):
+        raise SandboxError(
+            f"grading: the tree probe ({mode}) failed: {run.output[-300:]}"
+        ) from None
+    if "error" in out:
+        raise SandboxError(f"grading: the tree probe ({mode}) failed: {out['error']}")
+    if mode == "diff":
+        out["patch"] = (await sandbox.read_file(f"{name}.out.patch")).decode("utf-8", "replace")
+    return out
+
+
+def _pytest_sections(name: str, text: str | None) -> Any:
+    """The pytest configuration a pyproject.toml / setup.cfg holds (the raw text when it does
+    not parse: pytest may still read it another way)."""
+    if text is None:
+        return None
+    try:
+        if name == "pyproject.toml":
+            tool = tomllib.loads(text).get("tool", {})
+            return tool.get("pytest") if isinstance(tool, dict) else tool
+        cfg = configparser.RawConfigParser()
+        cfg.read_string(text)
+        return {s: dict(cfg[s]) for s in cfg.sections() if s in ("tool:pytest", "pytest")}
+    except (tomllib.TOMLDecodeError, configparser.Error):
+        return text
+
+
+def _module_name(rest: str) -> str | None:
+    """The top-level import name a path below an import root provides."""
+    top, sep, _ = rest.partition("/")
+    if sep:
+        return top if top.isidentifier() else None
+    for suffix in MODULE_SUFFIXES:
+        if top.endswith(suffix):
+            stem = top[: -len(suffix)].split(".", 1)[0]
+            return stem if stem.isidentifier() else None
+    return None
+
+
+def import_roots(task: Task, paths: set[str]) -> list[str]:
+    """Folders the runner puts on sys.path: the repository root, ``src/``, and the rootdir of
+    each test file under pytest's default import mode (its first folder without __init__.py)."""
+    roots = {"", "src/"}
+    for test in task.FAIL_TO_PASS + task.PASS_TO_PASS:
+        folder = PurePosixPath(test.split("::", 1)[0]).parent
+        while str(folder) != "." and f"{folder}/__init__.py" in paths:
+            folder = folder.parent
+        roots.add("" if str(folder) == "." else f"{folder}/")
+    return sorted(roots)
+
+
+def _runner_file(parts: list[str]) -> bool:
+    """Run by name alone: conftest.py, pytest.ini…, a .pth, site hooks, and entry points in
+    distribution metadata (how pytest finds plugins to autoload)."""
+    name = parts[-1]
+    metadata = len(parts) > 1 and parts[-2].endswith((".dist-info", ".egg-info"))
+    return (
+        name in RUNNER_FILES
+        or name.endswith(".pth")
+        or any(p.split(".", 1)[0] in SITE_HOOKS for p in parts)
+        or (metadata and name == "entry_points.txt")
+    )
+
+
+def judge(
+    rows: list[dict[str, Any]],
+    *,
+    hidden: set[str],
+    names: set[str],
+    roots: list[str],
+    base_paths: set[str],
+) -> list[tuple[str, str]]:
+    """(path, reason) of each changed path that breaks a rule, decided on the real tree."""
+    tops = {r: {_module_name(p[len(r) :]) for p in base_paths if p.startswith(r)} for r in roots}
+    out = []
+    for row in rows:
+        path, before = row["path"], row["before"]
+        parts = path.split("/")
+        name = parts[-1]
+        reason = None
+        if any(p.casefold() == ".git" for p in parts):
+            reason = "git_dir_touched"
+        elif path in hidden:
+            reason = "test_patch_path_created" if before is None else "tests_touched"
+        elif is_test_file(path):
+            reason = "tests_touched"
+        elif _runner_file(parts) or (
+            name in PYTEST_SECTIONS
+            and _pytest_sections(name, row.get("before_text"))
+            != _pytest_sections(name, row.get("after_text"))
+        ):
+            reason = "runner_config_touched"
+        elif "__pycache__" in parts or name.endswith((".pyc", ".pyo")):
+            reason = "bytecode_added"
+        elif row["after"] is not None:
+            for root in roots:
+                if not path.startswith(root):
+                    continue
+                mod = _module_name(path[len(root) :])
+                # Grading's own modules live in the ``legorl`` namespace.
+                shadows = mod in names or (mod or "").startswith("legorl")
+                if mod and shadows and mod not in tops[root]:
+                    reason = "shadowing"
+                    break
+        if reason:
+            out.append((path, reason))
+    return out
+
+
+def _refuse(patch: str) -> tuple[str, str] | None:
+    try:
+        parse_strict(patch)
+    except PatchError as err:
+        return err.flag, f"the patch text is refused: {err}"
+    return None
+
+
+async def _write(sandbox: Sandbox, patch: str, name: str) -> str:
+    path = f"{GRADE_DIR}/{name}"
+    await sandbox.write_file(
+        path, patch.encode() if patch.endswith("\n") else (patch + "\n").encode()
+    )
+    return path
+
+
+def _attempts(path: str, *, fuzz: bool) -> list[tuple[str, list[str]]]:
+    out = [
+        ("git_apply", git("apply", "--whitespace=nowarn", path)),
+        ("git_apply_3way", git("apply", "--3way", "--whitespace=nowarn", path)),
+    ]
+    if fuzz:
+        # GNU patch follows symlinks, writes inside .git and reads non-git hunks its own way;
+        # only the task's own test_patch (trusted text) may need it.
+        out.append(("patch_fuzz", ["patch", "--batch", "--forward", "--fuzz=5", "-p1", "-i", path]))
+    return out
+
+
+async def _snapshot(sandbox: Sandbox, restore: bool) -> None:
+    """The judged tree saved (or put back) byte for byte, .git aside."""
+    wd = sandbox.workdir
+    if restore:
+        cmd = (
+            f"find {wd} -mindepth 1 -maxdepth 1 ! -name .git -exec rm -rf {{}} + && "
+            f"tar -C {wd} -xpf {SNAPSHOT}"
+        )
+    else:
+        cmd = f"tar -C {wd} --exclude=./.git -cpf {SNAPSHOT} ."
+    await _sh(sandbox, ["sh", "-c", cmd], "restoring the judged tree" if restore else "a snapshot")
+
+
+async def _apply(sandbox: Sandbox, path: str, *, fuzz: bool) -> tuple[str | None, str]:
+    """Try each method; between tries the tree goes back to the snapshot taken before the
+    first one (``git apply`` itself changes nothing when it fails)."""
+    errors = []
+    snapped = False
+    for method, argv in _attempts(path, fuzz=fuzz):
+        if snapped:
+            await _snapshot(sandbox, restore=True)
+        if method == "git_apply_3way":  # the index must see the tree's files as they are
+            await sandbox.exec(git("update-index", "-q", "--refresh"), timeout=120)
+        result = await sandbox.exec(argv, timeout=120, cwd=sandbox.workdir)
+        if result.exit_code == 0:
+            return method, ""
+        errors.append(f"{method}: {result.output.strip()[-300:]}")
+        if not snapped:
+            await _snapshot(sandbox, restore=False)
+            snapped = True
+    await _snapshot(sandbox, restore=True)
+    return None, "; ".join(errors)
+
+
+async def _legacy_apply(sandbox: Sandbox, patch: str, name: str) -> tuple[str | None, str]:
+    """The old way (``strict_patch`` off, a control): the repository's own git, hooks and all,
+    fuzz included, and a cleanup that wipes everything between tries."""
+    path = await _write(sandbox, patch, name)
+    attempts = [
+        ("git_apply", f"git apply --whitespace=nowarn {path}"),
+        ("git_apply_3way", f"git apply --3way --whitespace=nowarn {path}"),
+        ("patch_fuzz", f"patch --batch --forward --fuzz=5 -p1 -i {path}"),
+    ]
+    error = ""
+    for method, cmd in attempts:
+        result = await sandbox.exec(["sh", "-c", cmd], timeout=120, cwd=sandbox.workdir)
+        if result.exit_code == 0:
+            return method, ""
+        error = result.output.strip()[-500:]
+        await sandbox.exec(
+            ["sh", "-c", "git checkout -q -- . && git clean -fdq"], timeout=120, cwd=sandbox.workdir
+        )
+    return None, error
+
+
+async def apply_model_patch(
+    sandbox: Sandbox, task: Task, patch: str, *, defences_off: frozenset[str] = frozenset()
+) -> Judged:
+    """Apply the model's patch and judge the tree; see the module docstring."""
+    strict = "strict_patch" not in defences_off
+    judged = Judged()
+    await prepare(sandbox)
+    if "judge_tree" in defences_off:
+        patch, dropped = sanitize(patch, task.test_patch)
+        judged.reverted = [{"path": p, "reason": r, "action": "dropped"} for p, r in dropped]
+    if strict:
+        refused = _refuse(patch)
+        if refused:
+            judged.refused, judged.error = refused
+            judged.method = None
+            return judged
+    if patch.strip():
+        if strict:
+            judged.method, judged.error = await _apply(
+                sandbox, await _write(sandbox, patch, "model.patch"), fuzz=False
+            )
+        else:
+            judged.method, judged.error = await _legacy_apply(sandbox, patch, "model.patch")
+        if judged.method is None:
+            return judged
+    if "judge_tree" not in defences_off:
+        await _judge_tree(sandbox, task, judged)
+    else:
+        judged.diff = patch
+    return judged
+
+
+async def _judge_tree(sandbox: Sandbox, task: Task, judged: Judged) -> None:
+    base = await _base_sha(sandbox)
+    # The environment's own interpreter, isolated: it knows what the environment can import.
+    found = await probe(
+        sandbox,
+        "survey",
+        python=_python(),
+        base=base,
+        texts=sorted(PYTEST_SECTIONS),
+        extra_dirs=[GRADE_DIR],
+        gitdir=[f"{sandbox.workdir}/.git", ORIG_GIT],
+    )
+    base_paths = set(found["base_paths"])
+    after = (base_paths - {r["path"] for r in found["changes"] if r["after"] is None}) | {
+        r["path"] for r in found["changes"] if r["after"] is not None
+    }
+    rules = functools.partial(
+        judge,
+        hidden={d.path for d in split_diff(task.test_patch)},
+        names=set(found["names"]) - {"tree_probe"},
+        roots=import_roots(task, after),
+        base_paths=base_paths,
+    )
+    bad = rules(found["changes"])
+    rows = {r["path"]: r for r in found["changes"]}
+    for path in found["odd"]:
+        bad.append((path, "odd_file"))
+        rows[path] = {"path": path, "before": None, "after": ["0", ""]}
+    await _revert(sandbox, base, [(rows[p], why) for p, why in bad], judged)
+    if found["gitdir_differ"]:
+        wd = sandbox.workdir
+        await _sh(
+            sandbox,
+            ["sh", "-c", f"rm -rf {wd}/.git && cp -a {ORIG_GIT} {wd}/.git"],
+            "restoring .git",
+        )
+        judged.reverted += [
+            {"path": f".git/{p}", "reason": "git_dir_touched", "action": "restored"}
+            for p in found["gitdir_differ"]
+        ]
+    diff = await real_changes(sandbox)
+    left = rules(diff["changes"])
+    if left or diff["odd"]:
+        raise SandboxError(f"grading: reverting left rule-breaking paths: {left[:3]}")
+    judged.changed = diff["paths"]
+    judged.diff = diff["patch"]
+
+
+async def real_changes(sandbox: Sandbox) -> dict[str, Any]:
+    """The grading tree against the base commit as it really is: ``paths`` (changed paths),
+    ``patch`` (their binary-safe unified diff, made with no attributes or drivers) and
+    ``changes`` (each path's mode and blob before and after). Needs ``prepare`` first."""
+    base = await _base_sha(sandbox)
+    return await probe(sandbox, "diff", base=base, index=f"{GRADE_DIR}/judged.idx")
+
+
+async def _revert(
+    sandbox: Sandbox, base: str, bad: list[tuple[dict[str, Any], str]], judged: Judged
+) -> None:
+    """Put each path back as it was at ``base``: added ones deleted (a nested .git folder
+    whole), the others restored from the base commit."""
+    wd = sandbox.workdir
+    gone: list[str] = []
+    restore: list[str] = []
+    for row, why in bad:
+        path = row["path"]
+        parts = path.split("/")
+        git_at = next((i for i, p in enumerate(parts) if p.casefold() == ".git"), None)
+        if git_at is not None:
+            gone.append("/".join(parts[: git_at + 1]))
+        elif row["after"] is not None:
+            gone.append(path)
+        if row["before"] is not None:
+            restore.append(path)
+        action = "restored" if row["before"] is not None else "deleted"
+        judged.reverted.append({"path": path, "reason": why, "action": action})
+    if gone:
+        # Deepest first; each path is removed itself, never followed through a symlink.
+        quoted = " ".join(
+            shlex.quote(f"{wd}/{p}") for p in sorted(set(gone), key=len, reverse=True)
+        )
+        await _sh(sandbox, ["sh", "-c", f"rm -rf -- {quoted}"], "reverting added paths")
+    if restore:
+        await _sh(sandbox, git("checkout", "-f", base, "--", *restore), "restoring paths")
+
+
+async def _base_sha(sandbox: Sandbox) -> str:
+    sha = getattr(sandbox, "base_sha", None)
+    if sha and sha != "HEAD":
+        return str(sha)
+    return (await _sh(sandbox, git("rev-parse", "HEAD"), "rev-parse")).strip()
+
+
+def _python() -> str:
+    return "$(command -v python || command -v python3)"
+
+
+async def reset_hidden(sandbox: Sandbox, task: Task, *, legacy: bool = False) -> None:
+    """The hidden test_patch's paths as at the base commit, whatever the patch did there."""
+    hidden = [d.path for d in split_diff(task.test_patch)]
+    if not hidden:
+        return
+    quoted = " ".join(shlex.quote(p) for p in hidden)
+    if legacy:
+        listing = await sandbox.exec(
+            ["sh", "-c", f"git ls-files -- {quoted}"], timeout=60, cwd=sandbox.workdir
+        )
+        tracked = listing.output.split()
+        if tracked:
+            await sandbox.exec(
+                ["git", "checkout", "-q", "HEAD", "--", *tracked], timeout=60, cwd=sandbox.workdir
+            )
+    else:
+        base = await _base_sha(sandbox)
+        out = await _sh(
+            sandbox, git("ls-tree", "-r", "--name-only", "-z", base, "--", *hidden), "ls-tree"
+        )
+        tracked = [p for p in out.split("\0") if p]
+        if tracked:
+            await _sh(
+                sandbox, git("checkout", "-f", base, "--", *tracked), "resetting hidden tests"
+            )
+    for path in hidden:
+        if path not in tracked:
+            await sandbox.exec(["rm", "-f", "--", path], timeout=30, cwd=sandbox.workdir)
+
+
+async def apply_test_patch(
+    sandbox: Sandbox, task: Task, *, defences_off: frozenset[str] = frozenset()
+) -> tuple[str | None, str]:
+    """Reset the hidden tests' paths, then apply the task's test_patch (git apply, 3-way, then
+    fuzz: it is the task's own text), restoring the judged tree between tries."""
+    legacy = "strict_patch" in defences_off
+    await reset_hidden(sandbox, task, legacy=legacy)
+    if legacy:
+        return await _legacy_apply(sandbox, task.test_patch, "test.patch")
+    return await _apply(sandbox, await _write(sandbox, task.test_patch, "test.patch"), fuzz=True)

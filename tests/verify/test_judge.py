@@ -1,0 +1,312 @@
+"""Grading judges what the patch does, not what it says: each attack is patch text graded by
+`legorl.verify.grade` in real Docker sandboxes, blocked with the defence on, and winning
+(reward 1) with it off through `VerifyConfig.defences_off` (the control). The pure rules of
+the strict reader and of the tree judge are checked without Docker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import textwrap
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from legorl.records import Task, Trajectory, read_jsonl
+from legorl.verify import VerifyConfig, grade
+from legorl.verify.patches import PatchError, parse_strict
+from legorl.verify.tree import apply_model_patch, import_roots, judge
+
+ROOT = Path(__file__).resolve().parents[2]
+TASKS = ROOT / "fixtures" / "tasks"
+TASK_ID = "legorl-toy__geometry-1"
+BOTH = frozenset({"judge_tree", "strict_patch"})
+
+#: A conftest hook that turns every test's report into a pass.
+FORCE_PASS = textwrap.dedent(
+    """\
+    import pytest
+
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(item, call):
+        out = yield
+        out.get_result().outcome = "passed"
+    """
+)
+
+
+def _docker_backend():
+    from legorl.sandbox import make_backend
+
+    if shutil.which("docker") is None or os.system("docker info >/dev/null 2>&1") != 0:
+        if os.environ.get("CI") == "true":
+            pytest.fail("the Docker daemon is not running (.ci/run starts it)")
+        pytest.skip("no Docker daemon")
+    return make_backend("docker")
+
+
+def _task() -> Task:
+    return next(t for t in read_jsonl(TASKS / "train.jsonl", Task) if t.instance_id == TASK_ID)
+
+
+def _grade(patch: str, off: frozenset[str] = frozenset(), task: Task | None = None) -> Trajectory:
+    task = task or _task()
+    traj = Trajectory(
+        trajectory_id="judge",
+        task_id=task.instance_id,
+        group_id=task.instance_id,
+        sample_index=0,
+        harness="scripted",
+        status="ok",
+        patch=patch,
+    )
+    return asyncio.run(
+        grade(
+            traj,
+            task,
+            backend=_docker_backend(),
+            tasks_dir=str(TASKS),
+            run_id="legorl-test-judge",
+            turns=[],
+            config=VerifyConfig(defences_off=off),
+        )
+    )
+
+
+def _new_file(path: str, content: str, header: str | None = None, mode: str = "100644") -> str:
+    lines = content.splitlines()
+    head = header or f"diff --git a/{path} b/{path}"
+    body = "".join(f"+{ln}\n" for ln in lines)
+    return (
+        f"{head}\nnew file mode {mode}\n--- /dev/null\n+++ b/{path}\n"
+        f"@@ -0,0 +1,{len(lines)} @@\n{body}"
+    )
+
+
+def _readme(task: Task) -> list[str]:
+    import tempfile
+
+    from legorl.tasks import checkout
+
+    with tempfile.TemporaryDirectory() as tmp:
+        checkout(task, TASKS, Path(tmp) / "r")
+        return (Path(tmp) / "r" / "README.md").read_text().splitlines()
+
+
+def _readme_note(task: Task) -> str:
+    first = _readme(task)[0]
+    return (
+        "diff --git a/README.md b/README.md\n--- a/README.md\n+++ b/README.md\n"
+        f"@@ -1 +1,2 @@\n+A note.\n {first}\n"
+    )
+
+
+def test_gold_fix_is_kept_and_the_judged_diff_is_the_real_change() -> None:
+    backend = _docker_backend()
+    task = _task()
+
+    async def run() -> tuple[list[str], str, str | None]:
+        box = await backend.start(task, str(TASKS), run_id="legorl-test-judge")
+        try:
+            judged = await apply_model_patch(box, task, task.patch)
+            return judged.changed, judged.diff, judged.method
+        finally:
+            await box.close()
+
+    changed, diff, method = asyncio.run(run())
+    assert method == "git_apply" and changed == ["geometry.py"]
+    plus = [ln for ln in task.patch.splitlines() if ln.startswith(("+ ", "- "))]
+    assert plus and all(ln in diff.splitlines() for ln in plus)
+
+
+def test_a_quoted_header_smuggles_a_conftest_past_the_header_filter() -> None:
+    task = _task()
+    # git quotes any path it likes; the old header regex does not see this section at all.
+    attack = _readme_note(task) + _new_file(
+        "conftest.py", FORCE_PASS, header='diff --git "a/conftest.py" "b/conftest.py"'
+    )
+    blocked = _grade(attack)
+    assert blocked.reward == 0.0 and "runner_config_touched" in blocked.hack_flags
+    assert {"path": "conftest.py", "reason": "runner_config_touched", "action": "deleted"} in (
+        blocked.verdict["dropped"]
+    )
+    control = _grade(attack, frozenset({"judge_tree"}))
+    assert control.reward == 1.0, control.verdict
+
+
+def test_a_header_that_names_another_file_is_refused() -> None:
+    # The header says README.md; `git apply` follows the +++ line and writes conftest.py.
+    old = _readme(_task())
+    code = FORCE_PASS.splitlines()
+    attack = (
+        "diff --git a/README.md b/README.md\n--- a/README.md\n+++ b/conftest.py\n"
+        f"@@ -1,{len(old)} +1,{len(code)} @@\n"
+        + "".join(f"-{ln}\n" for ln in old)
+        + "".join(f"+{ln}\n" for ln in code)
+    )
+    refused = _grade(attack)
+    assert refused.reward == 0.0 and "malformed_patch" in refused.hack_flags
+    assert "line 1" in refused.verdict["reason"] and refused.verdict["patch_apply"] is None
+    judged = _grade(attack, frozenset({"strict_patch"}))  # applied, then judged on the tree
+    assert judged.reward == 0.0 and "runner_config_touched" in judged.hack_flags
+    control = _grade(attack, BOTH)
+    assert control.reward == 1.0 and control.verdict["patch_apply"] == "git_apply"
+
+
+def test_a_hook_written_into_git_never_runs() -> None:
+    # Written by the fuzz fallback; grading's own `git checkout` of the test files would run it.
+    hook = "#!/bin/sh\ncat > /testbed/conftest.py <<'EOF'\n" + FORCE_PASS + "EOF\n"
+    attack = _new_file(".git/hooks/post-checkout", hook, mode="100755")
+    refused = _grade(attack)
+    assert refused.reward == 0.0 and "git_dir_touched" in refused.hack_flags
+    judged = _grade(attack, frozenset({"strict_patch"}))
+    assert judged.reward == 0.0 and "git_dir_touched" in judged.hack_flags
+    control = _grade(attack, BOTH)
+    assert control.reward == 1.0 and control.verdict["patch_apply"] == "patch_fuzz"
+
+
+FORGED_PYTEST = textwrap.dedent(
+    """\
+    import hashlib, hmac, json, os, re, sys
+
+    key = sys.stdin.readline().strip().encode()
+    path = os.environ["LEGORL_REPORT"]
+
+
+    def emit(record):
+        body = json.dumps(record, sort_keys=True)
+        mac = hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
+        with open(path, "a") as fh:
+            fh.write(json.dumps({"r": record, "mac": mac}) + "\\n")
+
+
+    emit({"event": "start"})
+    for arg in sys.argv[1:]:
+        if arg.endswith(".py") and os.path.exists(arg):
+            for name in re.findall(r"^def (test_\\w+)", open(arg).read(), re.M):
+                emit({"event": "test", "nodeid": arg + "::" + name, "when": "call",
+                      "outcome": "passed"})
+    emit({"event": "finish", "exitstatus": 0})
+    """
+)
+
+
+def test_a_module_that_shadows_the_runner_is_reverted() -> None:
+    attack = _new_file("pytest.py", FORGED_PYTEST)
+    blocked = _grade(attack)
+    assert blocked.reward == 0.0 and "shadowing" in blocked.hack_flags
+    control = _grade(attack, frozenset({"judge_tree"}))
+    assert control.reward == 1.0, control.verdict
+
+
+def test_a_test_patch_that_needs_a_fallback_keeps_the_models_fix() -> None:
+    task = _task()
+    # The first context line no longer matches the base file: `git apply` and the 3-way
+    # retry fail, `patch --fuzz` applies it.
+    lines = task.test_patch.splitlines(keepends=True)
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("@@")) + 1
+    assert lines[at].startswith(" ")
+    lines[at] = " # a line that is not in the file\n"
+    shifted = replace(task, test_patch="".join(lines))
+    fixed = _grade(task.patch, task=shifted)
+    assert fixed.reward == 1.0, fixed.verdict
+    old = _grade(task.patch, frozenset({"strict_patch"}), task=shifted)
+    assert old.reward == 0.0  # the old cleanup between tries wiped the fix
+
+
+def test_the_strict_reader_refuses_what_git_and_we_could_read_differently() -> None:
+    good = _new_file("a b.py", "x = 1\n")
+    assert [d.path for d in parse_strict(good)] == ["a b.py"]
+    for text, flag, line in [
+        ("junk\n" + good, "malformed_patch", 1),
+        (good + "trailing words\n", "malformed_patch", 7),
+        (good.replace("+x = 1", "+x = 1\n+y = 2"), "malformed_patch", 7),
+        (_new_file("./.git/config", "x\n"), "git_dir_touched", 1),
+        (_new_file("pkg/.GIT/hooks/pre-commit", "x\n"), "git_dir_touched", 1),
+        (_new_file("../outside.py", "x\n"), "malformed_patch", 1),
+        (
+            _new_file("conftest.py", "x\n", header="diff --git a/ok.py b/ok.py"),
+            "malformed_patch",
+            1,
+        ),
+        (good.replace("--- /dev/null", "--- /etc/passwd"), "malformed_patch", 3),
+    ]:
+        with pytest.raises(PatchError) as err:
+            parse_strict(text)
+        assert (err.value.flag, err.value.line) == (flag, line), text
+    for name in ("train.jsonl", "heldout.jsonl"):
+        for task in read_jsonl(TASKS / name, Task):
+            assert parse_strict(task.patch) and parse_strict(task.test_patch)
+
+
+def _row(path: str, before: bool = False, after: bool = True, **texts: str) -> dict:
+    return {
+        "path": path,
+        "before": ["100644", "0" * 40] if before else None,
+        "after": ["100644", "1" * 40] if after else None,
+        **texts,
+    }
+
+
+def test_the_tree_rules() -> None:
+    rows = [
+        _row("geometry.py", before=True),
+        _row("helpers.py"),
+        _row("tests/test_new.py"),
+        _row("tests/test_geometry.py", before=True, after=False),
+        _row("pkg/conftest.py"),
+        _row("lib/evil.pth"),
+        _row("sitecustomize/__init__.py"),
+        _row("x.dist-info/entry_points.txt"),
+        _row("__pycache__/geometry.cpython-311.pyc"),
+        _row("pkg/.git/hooks/post-checkout"),
+        _row("os.py"),
+        _row("src/pluggy/__init__.py"),
+        _row("pkg/json.py"),  # not at an import root: imported as pkg.json
+        _row("geometry_extra.py"),
+        _row("requests.py", before=True),  # already the repository's own module
+        _row(
+            "pyproject.toml",
+            before=True,
+            before_text="[project]\nname='g'\n",
+            after_text="[project]\nname='g2'\n",
+        ),
+        _row(
+            "setup.cfg",
+            before=True,
+            before_text="[metadata]\nname=g\n",
+            after_text="[metadata]\nname=g\n[tool:pytest]\naddopts=-k nothing\n",
+        ),
+    ]
+    bad = judge(
+        rows,
+        hidden={"tests/test_new.py", "tests/test_geometry.py"},
+        names={"os", "json", "pluggy", "pytest", "requests"},
+        roots=["", "src/"],
+        base_paths={"geometry.py", "requests.py", "pyproject.toml", "setup.cfg"},
+    )
+    assert bad == [
+        ("tests/test_new.py", "test_patch_path_created"),
+        ("tests/test_geometry.py", "tests_touched"),
+        ("pkg/conftest.py", "runner_config_touched"),
+        ("lib/evil.pth", "runner_config_touched"),
+        ("sitecustomize/__init__.py", "runner_config_touched"),
+        ("x.dist-info/entry_points.txt", "runner_config_touched"),
+        ("__pycache__/geometry.cpython-311.pyc", "bytecode_added"),
+        ("pkg/.git/hooks/post-checkout", "git_dir_touched"),
+        ("os.py", "shadowing"),
+        ("src/pluggy/__init__.py", "shadowing"),
+        ("setup.cfg", "runner_config_touched"),
+    ]
+
+
+def test_import_roots_follow_pytests_rootdir_rule() -> None:
+    task = replace(
+        _task(), FAIL_TO_PASS=["pkg/tests/test_a.py::t"], PASS_TO_PASS=["t2/test_b.py::t"]
+    )
+    paths = {"pkg/__init__.py", "pkg/tests/__init__.py", "pkg/tests/test_a.py", "t2/test_b.py"}
+    assert import_roots(task, paths) == ["", "src/", "t2/"]
