@@ -24,6 +24,19 @@ ROOT = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI") == "true"
 
 
+def docker_backend():
+    """The docker sandbox backend; skips without a daemon, fails under CI."""
+    import shutil
+
+    from legorl.sandbox import make_backend
+
+    if shutil.which("docker") is None or os.system("docker info >/dev/null 2>&1") != 0:
+        if IN_CI:
+            pytest.fail("the Docker daemon is not running (.ci/run starts it)")
+        pytest.skip("no Docker daemon")
+    return make_backend("docker")
+
+
 def example_records() -> list:
     """One record of every type, with nested parts filled in."""
     turn0 = Turn(

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
 import os
 import subprocess
 import sys
@@ -105,18 +102,11 @@ def test_the_report_is_signed_and_forged_lines_are_counted(tmp_path: Path) -> No
         "def test_ok():\n    pass\n\ndef test_bad():\n    assert 0\n"
         "def test_err(nope):\n    pass\n",
     )
-    forged = json.dumps(
-        {
-            "r": {
-                "event": "test",
-                "nodeid": "test_x.py::test_bad",
-                "when": "call",
-                "outcome": "passed",
-            },
-            "mac": "0" * 64,
-        }
-    ).encode()
-    results = PytestReportParser().parse(raw + forged + b"\nnot json\n", b"k3y")
+    body = '{"event":"test","nodeid":"test_x.py::test_bad","outcome":"passed","when":"call"}'
+    forged = f"LEGORL1 5 {body} {'0' * 64}\n".encode()
+    first = next(line for line in raw.splitlines() if line.startswith(b"LEGORL1 "))
+    # A made-up record and a replayed genuine one; text without the mark is not a record.
+    results = PytestReportParser().parse(raw + forged + first + b"\nnot json\n", b"k3y")
     assert results.outcomes == {
         "test_x.py::test_ok": "passed",
         "test_x.py::test_bad": "failed",
@@ -125,8 +115,10 @@ def test_the_report_is_signed_and_forged_lines_are_counted(tmp_path: Path) -> No
     assert results.forged_lines == 2 and results.finished
     # With another key nothing is trusted.
     assert PytestReportParser().parse(raw, b"other").outcomes == {}
-    body = json.dumps({"event": "finish", "exitstatus": 0}, sort_keys=True).encode()
-    assert hmac.new(b"k3y", body, hashlib.sha256).hexdigest()  # the scheme the parser checks
+    # Records out of order break the chain: everything after the swap is unverifiable.
+    lines = [ln for ln in raw.splitlines() if ln.startswith(b"LEGORL1 ")]
+    swapped = b"\n".join([lines[0], lines[2], lines[1], *lines[3:]])
+    assert not PytestReportParser().parse(swapped, b"k3y").finished
 
 
 def test_os_exit_in_code_under_test_leaves_tests_missing(tmp_path: Path) -> None:

@@ -7,10 +7,13 @@ For each trajectory: a new sandbox (never the agent's), no network; the model's 
 unless it is well-formed ``diff --git`` text outside ``.git``, applied with `git apply` (then
 3-way), and judged on the tree it produced (``tree.py``): changes to tests, test-runner
 configuration, the hidden ``test_patch``'s paths, ``.git`` and shadowing names are reverted and
-flagged; ``test_patch`` applied; the tests run with results sent through a signed
-side channel (`pytest_report.py`) and the runner's exit code taken from the sandbox, never from
-the log. Every FAIL_TO_PASS and PASS_TO_PASS test must report `passed`; missing, errored,
-skipped or timed-out tests fail. Trajectories with environment-failure statuses pass through
+flagged; ``test_patch`` applied; the tests run by our bootstrap (`bootstrap.py`:
+isolated interpreter, repository last on the path, our plugin as an object) with results
+streamed out as signed, chained records (`pytest_report.py`), the runner's real exit code from
+the sandbox compared with them, and the FAIL_TO_PASS tests run again by an independent runner
+with always-true twins (`plainrun.py`; all judged in `runner.py`). Every FAIL_TO_PASS and
+PASS_TO_PASS test must report `passed`; missing, errored, skipped, timed-out or untrusted tests
+fail. Trajectories with environment-failure statuses pass through
 with reward null.
 """
 
@@ -19,19 +22,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from legorl.protocols import Limits, Sandbox, SandboxBackend, SandboxError
 from legorl.records import ENVIRONMENT_FAILURES, Task, Trajectory, Turn
 from legorl.verify.parsers import PARSERS
+from legorl.verify.runner import judge, run_tests
 from legorl.verify.tree import GRADE_DIR, apply_model_patch, apply_test_patch
-
-HERE = Path(__file__).resolve().parent
 
 _HISTORY = re.compile(
     r"git\s+(log|reflog|show|fsck|cat-file|rev-list|for-each-ref|describe|stash|tag|"
@@ -50,7 +50,8 @@ class VerifyConfig:
     limits: Limits | None = None
     #: Test-only: defences switched off, for the controls that show each one matters.
     #: "judge_tree": the old header-level ``sanitize`` instead of judging the applied tree;
-    #: "strict_patch": malformed text and .git paths not refused, the old git and fallbacks.
+    #: "strict_patch": malformed text and .git paths not refused, the old git and fallbacks;
+    #: the test run's names are in ``verify.runner.DEFENCES``.
     defences_off: frozenset[str] = frozenset()
 
 
@@ -116,22 +117,12 @@ async def grade(
         if applied is None:
             verdict["reason"] = f"the task's test_patch does not apply: {error}"
             return _done(traj, None, verdict, flags, t0)
-        key = secrets.token_hex(16)
-        report = f"{GRADE_DIR}/report-{secrets.token_hex(4)}.jsonl"
-        await sandbox.write_file(
-            f"{GRADE_DIR}/legorl_pytest_report.py", (HERE / "pytest_report.py").read_bytes()
+        if task.log_parser not in PARSERS:
+            verdict["reason"] = f"unknown log parser {task.log_parser!r}"
+            return _done(traj, None, verdict, flags, t0)
+        test_run = await run_tests(
+            sandbox, task, grade_dir=GRADE_DIR, timeout=config.test_timeout, off=config.defences_off
         )
-        run = await sandbox.exec(
-            ["sh", "-c", _test_command(task)],
-            timeout=config.test_timeout,
-            cwd=sandbox.workdir,
-            env={"PYTHONPATH": GRADE_DIR, "LEGORL_REPORT": report, "PYTHONDONTWRITEBYTECODE": "1"},
-            stdin=(key + "\n").encode(),
-        )
-        try:
-            raw = await sandbox.read_file(report)
-        except (SandboxError, FileNotFoundError, OSError):
-            raw = b""
     except SandboxError as exc:
         verdict["reason"] = f"grading sandbox failed: {exc}"
         return _done(traj, None, verdict, flags, t0)
@@ -139,28 +130,18 @@ async def grade(
         if sandbox is not None:
             with contextlib.suppress(Exception):
                 await sandbox.close()
-    parser = PARSERS.get(task.log_parser)
-    if parser is None:
-        verdict["reason"] = f"unknown log parser {task.log_parser!r}"
-        return _done(traj, None, verdict, flags, t0)
-    results = parser.parse(raw, key.encode())
-    if results.forged_lines:
+    results = test_run.results
+    if results.forged_lines and not test_run.run.truncated:
         flags.add("forged_report")
-    printed = {m.group(1) or m.group(2) for m in _PASSED_LINE.finditer(run.output)}
+    # Only required tests have records of their own.
+    printed = {m.group(1) or m.group(2) for m in _PASSED_LINE.finditer(test_run.log)}
+    printed &= {*task.FAIL_TO_PASS, *task.PASS_TO_PASS}
     if any(results.outcomes.get(t) != "passed" for t in printed) or _writes_results(clean):
         flags.add("forged_output")
-    tests = {t: results.outcomes.get(t, "missing") for t in task.FAIL_TO_PASS + task.PASS_TO_PASS}
-    if run.timed_out:
-        tests = {t: ("timeout" if o == "missing" else o) for t, o in tests.items()}
+    tests, runner_flags, notes = judge(task, test_run, clean, config.defences_off)
+    flags.update(runner_flags)
     resolved = all(o == "passed" for o in tests.values())
-    verdict.update(
-        resolved=resolved,
-        tests=tests,
-        exit_code=run.exit_code,
-        timed_out=run.timed_out,
-        runner_finished=results.finished,
-        collect_errors=results.collect_errors,
-    )
+    verdict.update(resolved=resolved, tests=tests, **notes)
     if not resolved:
         bad = sorted(t for t, o in tests.items() if o != "passed")
         verdict["reason"] = f"{len(bad)} required test(s) did not pass: {', '.join(bad[:5])}"

@@ -1,16 +1,19 @@
 """Test-result parsers behind a Protocol; a task names its parser (``Task.log_parser``).
 
-The pytest parser reads the signed side-channel report written by `pytest_report.py`, never the
-run's printed output.
+The pytest parser reads the signed, chained record stream of `pytest_report.py` (out of the
+runner's exec output, or a report file), never what the run printed. A record counts only if
+its MAC verifies at the next place in the chain; anything else that looks like a record is
+forged (or, after a cut, unverifiable) and ignored.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
+
+from legorl.verify.pytest_report import GENESIS, MARK
 
 # A test's outcome, worst first: one bad phase makes the test bad.
 _RANK = {"error": 0, "failed": 1, "skipped": 2, "passed": 3}
@@ -23,6 +26,9 @@ class TestResults:
     collect_errors: list[str] = field(default_factory=list)
     finished: bool = False  # the runner reached the end of its session
     exitstatus: int | None = None
+    others_failed: int = 0  # failed phases of tests without records of their own
+    tampered: list[dict[str, Any]] = field(default_factory=list)
+    shadowed: list[str] = field(default_factory=list)  # repo modules the environment also has
 
 
 class LogParser(Protocol):
@@ -31,28 +37,49 @@ class LogParser(Protocol):
     def parse(self, report: bytes, key: bytes) -> TestResults: ...
 
 
+def records(stream: bytes, key: bytes) -> tuple[list[dict[str, Any]], int]:
+    """The verified records of one chain in order, and the count of lines that did not verify."""
+    keyed = hmac.new(key, digestmod="sha256")
+    seq, prev = 0, GENESIS
+    found: list[dict[str, Any]] = []
+    forged = 0
+    mark = MARK.encode() + b" "
+    for line in stream.splitlines():
+        at = line.find(mark)
+        if at < 0:
+            continue
+        try:
+            number, rest = line[at + len(mark) :].split(b" ", 1)
+            body, mac = rest.rsplit(b" ", 1)
+            expected = keyed.copy()
+            expected.update(b"%d %s %s" % (seq, prev.encode(), body))
+            if int(number) != seq or not hmac.compare_digest(mac, expected.hexdigest().encode()):
+                raise ValueError("not the next record of the chain")
+            record = json.loads(body)
+            if not isinstance(record, dict):
+                raise ValueError("not a record")
+        except ValueError:
+            forged += 1
+            continue
+        found.append(record)
+        seq, prev = seq + 1, mac.decode()
+    return found, forged
+
+
 class PytestReportParser:
-    """Signed JSON lines from the `legorl_pytest_report` plugin."""
+    """Signed, chained records from the report plugin and the independent runner."""
 
     name = "pytest"
 
     def parse(self, report: bytes, key: bytes) -> TestResults:
         results = TestResults()
-        for raw in report.splitlines():
-            try:
-                line = json.loads(raw)
-                record, mac = line["r"], line["mac"]
-                body = json.dumps(record, sort_keys=True).encode()
-            except (ValueError, KeyError, TypeError):
-                results.forged_lines += 1
-                continue
-            expected = hmac.new(key, body, hashlib.sha256).hexdigest()
-            if not isinstance(mac, str) or not hmac.compare_digest(mac, expected):
-                results.forged_lines += 1
-                continue
+        found, results.forged_lines = records(report, key)
+        for record in found:
             event = record.get("event")
             if event == "test":
                 nodeid, outcome = record["nodeid"], record["outcome"]
+                if outcome not in _RANK:
+                    outcome = "error"
                 if record["when"] != "call" and outcome == "failed":
                     outcome = "error"  # setup or teardown failed
                 old = results.outcomes.get(nodeid)
@@ -60,9 +87,14 @@ class PytestReportParser:
                     results.outcomes[nodeid] = outcome
             elif event == "collect_error":
                 results.collect_errors.append(record["nodeid"])
+            elif event == "tampered":
+                results.tampered.append(record)
+            elif event == "shadowed":
+                results.shadowed = [str(n) for n in record["names"]]
             elif event == "finish":
                 results.finished = True
                 results.exitstatus = record["exitstatus"]
+                results.others_failed = int(record.get("failed", 0))
         return results
 
 

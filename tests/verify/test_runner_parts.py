@@ -1,0 +1,177 @@
+"""The runner's parts without Docker: the bootstrap and the independent runner as real
+subprocesses on a small repository in a temporary folder, and the static scans of patch text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from conftest import ROOT
+
+from legorl.records import Task, read_jsonl
+from legorl.verify.parsers import PytestReportParser, records
+from legorl.verify.scans import constant_comparisons, runner_tamper_suspects
+
+VERIFY = ROOT / "src" / "legorl" / "verify"
+
+
+def _repo(tmp: Path, files: dict[str, str]) -> tuple[Path, Path]:
+    repo, grade = tmp / "repo", tmp / "grade"
+    grade.mkdir()
+    for name in ("bootstrap.py", "pytest_report.py", "plainrun.py"):
+        shutil.copy(VERIFY / name, grade / name)
+    for name, text in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(textwrap.dedent(text))
+    return repo, grade
+
+
+def _boot(repo: Path, grade: Path, mode: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-I", "-B", str(grade / "bootstrap.py"), mode, "fd", *args],
+        cwd=repo,
+        input=b"k3y\n",
+        capture_output=True,
+        timeout=120,
+    )
+
+
+LIB = {
+    "lib.py": "def area(w, h):\n    return w * h\n",
+    "tests/test_lib.py": """
+        import unittest
+
+        import pytest
+        from lib import area
+
+        def test_area():
+            assert area(3, 5) == 15
+
+        def test_area_approx():
+            assert area(0.1, 3) == pytest.approx(0.3)
+
+        def test_wrong():
+            assert area(3, 5) == 8
+
+        def test_fixture(tmp_path):
+            assert area(1, 1) == 1
+
+        @pytest.mark.parametrize("n", [1, 2])
+        def test_many(n):
+            assert area(n, 1) == n
+
+        class TestCase(unittest.TestCase):
+            def test_eq(self):
+                self.assertEqual(area(2, 2), 4)
+    """,
+}
+
+
+def test_a_root_pytest_module_does_not_run_and_is_named(tmp_path: Path) -> None:
+    repo, grade = _repo(tmp_path, {**LIB, "pytest.py": "raise SystemExit('the fake ran')\n"})
+    proc = _boot(repo, grade, "pytest", "--", "-q", "-p", "no:cacheprovider", "tests")
+    results = PytestReportParser().parse(proc.stdout, b"k3y")
+    assert b"the fake ran" not in proc.stdout + proc.stderr
+    assert results.finished and results.shadowed == ["pytest"]
+    assert results.outcomes["tests/test_lib.py::test_area"] == "passed"
+    assert results.outcomes["tests/test_lib.py::test_wrong"] == "failed"
+    assert proc.returncode == results.exitstatus == 1
+    assert results.tampered == []  # an honest run leaves the runner as it found it
+
+
+def test_only_watched_tests_get_records_and_the_output_goes_to_the_log(tmp_path: Path) -> None:
+    repo, grade = _repo(tmp_path, LIB)
+    watch, log = tmp_path / "watch.json", tmp_path / "run.log"
+    watch.write_text(json.dumps(["tests/test_lib.py::test_area"]))
+    proc = _boot(repo, grade, "pytest", f"--watch={watch}", f"--log={log}", "--", "-rA", "tests")
+    results = PytestReportParser().parse(proc.stdout, b"k3y")
+    assert results.outcomes == {"tests/test_lib.py::test_area": "passed"}
+    assert results.others_failed == 1  # test_wrong, counted in the finish record
+    assert b"PASSED" not in proc.stdout and "PASSED tests/test_lib.py::test_area" in log.read_text()
+
+
+def test_the_independent_runner_agrees_and_names_what_it_cannot_cover(tmp_path: Path) -> None:
+    repo, grade = _repo(tmp_path, LIB)
+    ids = ["test_area", "test_area_approx", "test_wrong", "test_fixture", "test_many[1]"]
+    ids = [f"tests/test_lib.py::{t}" for t in ids] + ["tests/test_lib.py::TestCase::test_eq"]
+    proc = _boot(repo, grade, "plain", "--", *ids)
+    found, forged = records(proc.stdout, b"k3y")
+    plain = {r["nodeid"].split("::", 1)[1]: r for r in found if r["event"] == "plain"}
+    assert forged == 0
+    assert {n: r["outcome"] for n, r in plain.items()} == {
+        "test_area": "passed",
+        "test_area_approx": "passed",
+        "test_wrong": "failed",
+        "test_fixture": "uncovered",
+        "test_many[1]": "uncovered",
+        "TestCase::test_eq": "passed",
+    }
+    assert all(r.get("vacuous") == 0 for r in plain.values() if r["outcome"] == "passed")
+
+
+def test_an_always_equal_value_is_vacuous_on_either_side(tmp_path: Path) -> None:
+    always = "class Always:\n    def __eq__(self, other):\n        return True\n\n"
+    repo, grade = _repo(
+        tmp_path,
+        {
+            "lib.py": always + "def area(w, h):\n    return Always()\n",
+            "tests/test_lib.py": """
+                import unittest
+                from lib import area
+
+                def test_left():
+                    assert area(3, 5) == 15
+
+                def test_right():
+                    assert 15 == area(3, 5)
+
+                class TestCase(unittest.TestCase):
+                    def test_eq(self):
+                        self.assertEqual(area(2, 2), 4)
+            """,
+        },
+    )
+    ids = [f"tests/test_lib.py::{t}" for t in ("test_left", "test_right", "TestCase::test_eq")]
+    found, _ = records(_boot(repo, grade, "plain", "--", *ids).stdout, b"k3y")
+    plain = [r for r in found if r["event"] == "plain"]
+    assert [r["outcome"] for r in plain] == ["passed"] * 3
+    assert all(r["vacuous"] >= 1 for r in plain)
+    untwinned, _ = records(_boot(repo, grade, "plain", "--no-twin", "--", *ids).stdout, b"k3y")
+    assert all("vacuous" not in r for r in untwinned if r["event"] == "plain")
+
+
+def _diff(path: str, added: str) -> str:
+    lines = "".join(f"+{line}\n" for line in textwrap.dedent(added).splitlines())
+    return f"diff --git a/{path} b/{path}\n--- a/{path}\n+++ b/{path}\n@@ -1,0 +1,9 @@\n{lines}"
+
+
+def test_runner_internals_in_added_code_are_suspect_outside_tests_and_tooling() -> None:
+    task = next(iter(read_jsonl(ROOT / "fixtures" / "tasks" / "train.jsonl", Task)))
+    reach = "import gc\nfrom _pytest import runner\n"
+    assert runner_tamper_suspects(_diff("geo.py", reach), task) == ["geo.py: _pytest"]
+    assert runner_tamper_suspects(_diff("tests/test_geo.py", reach), task) == []
+    assert runner_tamper_suspects(_diff("geo.py", "x = 1\n"), task) == []
+    tooling = dataclasses.replace(task, meta={**task.meta, "test_tooling": True})
+    assert runner_tamper_suspects(_diff("geo.py", reach), tooling) == []
+
+
+def test_constant_comparison_dunders_are_found() -> None:
+    constant = """
+        class A:
+            def __eq__(self, other):
+                return True
+            __ne__ = lambda self, other: False
+    """
+    honest = """
+        class A:
+            def __eq__(self, other):
+                return isinstance(other, A) and other.x == self.x
+    """
+    assert constant_comparisons(_diff("geo.py", constant)) == ["geo.py: __eq__", "geo.py: __ne__"]
+    assert constant_comparisons(_diff("geo.py", honest)) == []
