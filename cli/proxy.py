@@ -97,7 +97,11 @@ def serve(
         typer.Option(help="Token for /admin routes (default: $LEGORL_ADMIN_TOKEN or a new one)."),
     ] = None,
     registered_only: Annotated[
-        bool, typer.Option(help="Refuse sessions not registered via POST /admin/sessions.")
+        bool,
+        typer.Option(
+            help="Only sessions opened via POST /admin/sessions (each reachable only at the "
+            "route it answers); no open sessions named by the client."
+        ),
     ] = False,
 ) -> None:
     """Answer OpenAI Chat, Anthropic Messages and Responses calls from an engine."""
@@ -117,7 +121,8 @@ def serve(
             fail("proxy", f"cannot listen on {host}:{port}: {exc.strerror or exc}")
         console.print(
             f"legorl proxy: serving {core.served_name} ({engine}) on http://{host}:{bound} "
-            f"— sessions at /s/{{session}}/v1/…; admin token {token}",
+            f"— {'' if registered_only else 'open sessions at /s/{session}/v1/…; '}"
+            f"POST /admin/sessions opens one at the route it answers; admin token {token}",
             markup=False,
             soft_wrap=True,
         )

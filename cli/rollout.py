@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 from pathlib import Path
 from typing import Annotated, Any
@@ -46,7 +47,8 @@ def rollout(
         Path | None, typer.Option(help="With --proxy: the folder it writes Turns to.")
     ] = None,
     proxy_token: Annotated[
-        str | None, typer.Option(help="With --proxy: its admin token (opens sessions).")
+        str | None,
+        typer.Option(help="With --proxy: its admin token (default: $LEGORL_ADMIN_TOKEN)."),
     ] = None,
     sandbox: Annotated[str, typer.Option(help="docker | local")] = "local",
     harness_opt: Annotated[
@@ -69,7 +71,7 @@ def rollout(
     from legorl.monitors import Monitor, MonitorStop
     from legorl.protocols import Limits, SandboxError
     from legorl.records import JsonlWriter
-    from legorl.rollout import Progress, finished_ids, plan_runs, remote_proxy
+    from legorl.rollout import Progress, SessionOpenError, finished_ids, plan_runs, remote_proxy
     from legorl.rollout import rollout as run_all
     from legorl.sandbox import make_backend
     from legorl.tasks import TaskError, load_tasks
@@ -82,6 +84,14 @@ def rollout(
         fail("rollout", "give --model (in-process proxy) or --proxy URL with --proxy-turns", 2)
     if proxy is not None and proxy_turns is None:
         fail("rollout", "--proxy needs --proxy-turns: the folder that proxy writes Turns to", 2)
+    proxy_token = proxy_token or os.environ.get("LEGORL_ADMIN_TOKEN")
+    if proxy is not None and not proxy_token:
+        fail(
+            "rollout",
+            "--proxy needs --proxy-token (or $LEGORL_ADMIN_TOKEN): each run's session is opened "
+            "through the proxy's admin API, reachable by that run's sandbox alone",
+            2,
+        )
     try:
         agent = make_harness(harness, **key_values("rollout", "--harness-opt", harness_opt))
         backend = make_backend(sandbox)
@@ -103,8 +113,16 @@ def rollout(
         alerts_path=(out.parent if out else Path.cwd()) / "alerts.jsonl", strict=strict
     )
 
+    remote = None
+    if proxy is not None:
+        assert proxy_turns is not None and proxy_token
+        try:
+            remote = remote_proxy(proxy, proxy_turns, proxy_token)
+        except SessionOpenError as exc:
+            fail("rollout", f"--proxy: {exc}")
+
     async def main() -> None:
-        kwargs = dict(
+        kwargs: dict[str, Any] = dict(
             harness=agent,
             backend=backend,
             tasks_dir=tasks.parent,
@@ -132,11 +150,8 @@ def rollout(
                         ),
                     )
 
-            if proxy is not None:
-                assert proxy_turns is not None
-                await consume(
-                    remote_proxy(proxy, proxy_turns, proxy_token), served_model or "legorl"
-                )
+            if remote is not None:
+                await consume(remote, served_model or "legorl")
                 return
             from legorl.engines import make_engine
             from legorl.rollout import inprocess_proxy

@@ -5,8 +5,11 @@ one Trajectory per run written as soon as it ends.
         --engine embedded --model fixtures/models/tiny-qwen3 --sandbox local --out runs/traj.jsonl
 
 Each run gets its own proxy session (its id is the trajectory id) and its own sandbox, whose
-network reaches only that session's endpoint. Turns go to ``{turns_dir}/{trajectory_id}.jsonl``
-and the Trajectory refers to them. Environment failures (the sandbox would not start, the
+network reaches only the proxy. The proxy hands out the session as a capability, a route with
+a secret (``/s/{id}~{secret}``), which is all the sandbox is given: another run's session is
+not reachable by its id, by an API key or by a guessed secret. The secret is redacted from
+what the run records and dies when the session closes. Turns go to
+``{turns_dir}/{trajectory_id}.jsonl`` and the Trajectory refers to them. Environment failures (the sandbox would not start, the
 harness crashed, the proxy failed) get their own status and are never written as a failed
 attempt of the agent. Re-running with the same output skips finished trajectories.
 """
@@ -62,13 +65,38 @@ def finished_ids(out: Path | None) -> set[str]:
     return {t.trajectory_id for t in read_jsonl(out, Trajectory, skip_bad=True)}
 
 
+class SessionOpenError(Exception):
+    """The proxy would not open a run's session (the run is a ``proxy_error``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SessionAccess:
+    """One run's way to its proxy session: what its sandbox is given, and nothing else."""
+
+    url: str  # host-side base URL of the session; its route carries the secret
+    secret: str  # never recorded: redacted from the run's evidence
+
+    @classmethod
+    def of_route(cls, base: str, route: str) -> SessionAccess:
+        sid, sep, secret = route.removeprefix("/s/").partition("~")
+        if not route.startswith("/s/") or not sep or not sid or not secret or "/" in secret:
+            raise SessionOpenError(f"the proxy answered {route[:60]!r}, not a session route")
+        return cls(url=f"{base}{route}", secret=secret)
+
+    def redact(self, text: str) -> str:
+        return text.replace(self.secret, "…")
+
+
 @dataclass(slots=True, kw_only=True)
 class ProxyEndpoint:
-    """Where sandboxes reach the proxy, and how sessions are opened and closed on it."""
+    """Where sandboxes reach the proxy, and how sessions are opened and closed on it.
+
+    ``open_session(id, main_system)`` opens a capability session (``main_system``: the
+    harness's declared system prompt, or None) and raises ``SessionOpenError`` if it cannot."""
 
     url: str  # host-side base URL
     turns_dir: Path
-    open_session: Callable[[str], Awaitable[None]]
+    open_session: Callable[[str, str | None], Awaitable[SessionAccess]]
     close_session: Callable[[str], Awaitable[None]]
 
 
@@ -117,13 +145,78 @@ async def run_one(
     """One harness run on one task; never raises for an environment failure."""
     tid = run.trajectory_id
     turns_path = proxy.turns_dir / f"{tid}.jsonl"
-    _set_aside(turns_path)
     timings: dict[str, float] = {}
     evidence: dict[str, Any] = {}
     patch = ""
     status = "sandbox_error"
     t0 = time.monotonic()
-    await proxy.open_session(tid)
+    try:
+        access = await proxy.open_session(tid, getattr(harness, "main_system", None))
+    except SessionOpenError as exc:
+        access = None
+        status, evidence["error"] = "proxy_error", f"proxy: {exc}"
+    if access is not None:
+        # Set aside only once the id is this run's alone: no client can write that file since.
+        _set_aside(turns_path)
+        try:
+            status, patch = await _attempt(
+                run,
+                access,
+                harness=harness,
+                backend=backend,
+                tasks_dir=tasks_dir,
+                model=model,
+                timeout=timeout,
+                limits=limits,
+                run_id=run_id,
+                timings=timings,
+                evidence=evidence,
+            )
+        finally:
+            await proxy.close_session(tid)
+        for key, value in evidence.items():
+            if isinstance(value, str):
+                evidence[key] = access.redact(value)
+    turns = _turns_of(turns_path) if access is not None else []
+    if status == "ok" and not [t for t in turns if not t.flags.aux]:
+        status, evidence["error"] = "proxy_error", "the harness ended without calling the model"
+    timings["total_s"] = time.monotonic() - t0
+    ref = os.path.relpath(turns_path, refs_relative_to) if turns else None
+    return Trajectory(
+        trajectory_id=tid,
+        task_id=run.task.instance_id,
+        group_id=run.task.instance_id,
+        sample_index=run.sample_index,
+        harness=harness.name,
+        status=status,  # type: ignore[arg-type]
+        patch=patch,
+        turns_ref=[ref] if ref else None,
+        evidence=evidence,
+        timings={k: round(v, 3) for k, v in timings.items()},
+        tokens=TokenCounts(
+            prompt=sum(t.prompt_len for t in turns),
+            completion=sum(len(t.completion_ids) for t in turns),
+        ),
+    )
+
+
+async def _attempt(
+    run: Run,
+    access: SessionAccess,
+    *,
+    harness: Harness,
+    backend: SandboxBackend,
+    tasks_dir: Path,
+    model: str,
+    timeout: float,
+    limits: Limits,
+    run_id: str,
+    timings: dict[str, float],
+    evidence: dict[str, Any],
+) -> tuple[str, str]:
+    """Start the sandbox, run the harness, take the diff: (status, patch)."""
+    status, patch = "sandbox_error", ""
+    t0 = time.monotonic()
     sandbox: Sandbox | None = None
     try:
         try:
@@ -131,7 +224,7 @@ async def run_one(
                 run.task,
                 str(tasks_dir),
                 run_id=run_id,
-                proxy_url=f"{proxy.url}/s/{tid}",
+                proxy_url=access.url,
                 limits=limits,
                 harness_runtime=getattr(harness, "needs_runtime", True),
             )
@@ -157,28 +250,7 @@ async def run_one(
         if sandbox is not None:
             with contextlib.suppress(Exception):
                 await sandbox.close()
-        await proxy.close_session(tid)
-    turns = _turns_of(turns_path)
-    if status == "ok" and not [t for t in turns if not t.flags.aux]:
-        status, evidence["error"] = "proxy_error", "the harness ended without calling the model"
-    timings["total_s"] = time.monotonic() - t0
-    ref = os.path.relpath(turns_path, refs_relative_to) if turns else None
-    return Trajectory(
-        trajectory_id=tid,
-        task_id=run.task.instance_id,
-        group_id=run.task.instance_id,
-        sample_index=run.sample_index,
-        harness=harness.name,
-        status=status,  # type: ignore[arg-type]
-        patch=patch,
-        turns_ref=[ref] if ref else None,
-        evidence=evidence,
-        timings={k: round(v, 3) for k, v in timings.items()},
-        tokens=TokenCounts(
-            prompt=sum(t.prompt_len for t in turns),
-            completion=sum(len(t.completion_ids) for t in turns),
-        ),
-    )
+    return status, patch
 
 
 async def rollout(
@@ -229,8 +301,14 @@ async def inprocess_proxy(
     server = ProxyServer(core, "127.0.0.1", 0)
     await server.start()
 
-    async def open_session(sid: str) -> None:
-        core.open_session(sid)
+    async def open_session(sid: str, main_system: str | None = None) -> SessionAccess:
+        from legorl.proxy.chat import ApiError
+
+        try:
+            route = core.open_session(sid, main_system=main_system)
+        except ApiError as err:
+            raise SessionOpenError(err.message) from None
+        return SessionAccess.of_route(server.url, route)
 
     async def close_session(sid: str) -> None:
         core.close_session(sid)
@@ -250,30 +328,57 @@ async def inprocess_proxy(
         core.close()
 
 
-def remote_proxy(url: str, turns_dir: Path, admin_token: str | None) -> ProxyEndpoint:
-    """A proxy already running elsewhere on this machine (its Turn files are in ``turns_dir``)."""
+def remote_proxy(url: str, turns_dir: Path, admin_token: str) -> ProxyEndpoint:
+    """A proxy already running elsewhere on this machine (``legorl proxy serve``; its Turn
+    files are in ``turns_dir``): sessions are opened through its admin API, with its token.
+
+    Raises ``SessionOpenError`` unless the proxy serves registered sessions only: on one that
+    also serves open sessions, any sandbox could create a session by naming it, and write Turns
+    under a name a run's file has (one closed before that proxy last restarted)."""
     import httpx
 
-    async def open_session(sid: str) -> None:
-        if admin_token:
+    base = url.rstrip("/")
+    auth = {"authorization": f"Bearer {admin_token}"}
+    try:
+        health = httpx.get(f"{base}/healthz", timeout=30).json()
+    except (httpx.HTTPError, ValueError) as exc:
+        raise SessionOpenError(f"{base}/healthz: {exc}") from None
+    if not isinstance(health, dict) or health.get("open_sessions") is not False:
+        raise SessionOpenError(
+            f"the proxy at {base} serves open sessions, which a sandbox could name: start it "
+            "with --registered-only for a rollout"
+        )
+
+    async def open_session(sid: str, main_system: str | None = None) -> SessionAccess:
+        try:
             async with httpx.AsyncClient() as client:
                 resp = await client.post(
-                    f"{url}/admin/sessions",
-                    json={"id": sid},
-                    headers={"authorization": f"Bearer {admin_token}"},
+                    f"{base}/admin/sessions",
+                    json={"id": sid, "main_system": main_system},
+                    headers=auth,
                 )
-                resp.raise_for_status()
+        except httpx.HTTPError as exc:
+            raise SessionOpenError(f"{base}: {exc}") from None
+        if resp.status_code != 200:
+            raise SessionOpenError(
+                f"{base}/admin/sessions answered {resp.status_code}: {resp.text[:200]}"
+            )
+        try:
+            route = resp.json()["route"]
+        except (ValueError, KeyError, TypeError):
+            raise SessionOpenError(
+                f"{base}/admin/sessions gave no session route (a legorl proxy older than "
+                "capability sessions?)"
+            ) from None
+        return SessionAccess.of_route(base, str(route))
 
     async def close_session(sid: str) -> None:
-        if admin_token:
+        with contextlib.suppress(httpx.HTTPError):
             async with httpx.AsyncClient() as client:
-                await client.delete(
-                    f"{url}/admin/sessions/{sid}",
-                    headers={"authorization": f"Bearer {admin_token}"},
-                )
+                await client.delete(f"{base}/admin/sessions/{sid}", headers=auth)
 
     return ProxyEndpoint(
-        url=url.rstrip("/"),
+        url=base,
         turns_dir=turns_dir,
         open_session=open_session,
         close_session=close_session,

@@ -330,8 +330,9 @@ def test_bad_requests_get_errors_in_their_apis_shape(tmp_path: Path) -> None:
             headers={"authorization": "Bearer secret"},
         )
         assert ok.status_code == 200
-        chat = f"{url}/s/known/v1/chat/completions"
-        messages = f"{url}/s/known/v1/messages"
+        route = ok.json()["route"]
+        chat = f"{url}{route}/v1/chat/completions"
+        messages = f"{url}{route}/v1/messages"
         err = _openai_error(httpx.post(chat, content=b"{nope"), 400)
         assert "not valid JSON" in err["message"]
         err = _anthropic_error(httpx.post(messages, content=b"{nope"), 400)

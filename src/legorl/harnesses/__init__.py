@@ -6,7 +6,10 @@ session, and classifies how it ended. Chosen by short name:
     run = await harness.run(sandbox, task.problem_statement, model="tiny", timeout=600)
 
 Adding a harness is one small class with ``name`` and ``async run(...)`` (the ``Harness``
-Protocol in ``legorl.protocols``) and a line in ``HARNESSES``.
+Protocol in ``legorl.protocols``) and a line in ``HARNESSES``. A harness reaches its proxy
+session only through ``sandbox.proxy_url``, the session's capability route: it never builds a
+URL from a session id. A harness whose main system prompt is fixed declares it as
+``main_system``, and the rollout binds the session's main agent to it when the session opens.
 
 Inside a sandbox the harness binaries come from its harness runtime: a sandbox may expose
 ``runtime_env`` (extra environment, e.g. a PATH with the runtime's bin folder) and
@@ -84,6 +87,13 @@ class MiniHarness:
     seed: int | None = None
     compact_tokens: int = 0  # compact the context past this many prompt tokens (0: never)
     command_timeout: float = 60.0
+
+    @property
+    def main_system(self) -> str:
+        """The agent's system prompt, bound to its session when the session opens."""
+        from legorl.harnesses.mini_agent import SYSTEM
+
+        return SYSTEM
 
     async def run(self, sandbox: Sandbox, prompt: str, *, model: str, timeout: float) -> HarnessRun:
         started = time.monotonic()
@@ -288,7 +298,8 @@ def make_harness(name: str, **config: Any) -> Harness:
 @dataclass(slots=True, kw_only=True)
 class ScriptedHarness:
     """A fake harness shipping for tests: runs one shell command in the sandbox as the 'agent'
-    (exit 0 → ok; a hang → timeout; anything else → harness_crash)."""
+    (exit 0 → ok; a hang → timeout; anything else → harness_crash). The command finds its
+    session's route in ``$LEGORL_PROXY_URL``."""
 
     name: ClassVar[str] = "scripted"
     needs_runtime: ClassVar[bool] = False
@@ -296,8 +307,9 @@ class ScriptedHarness:
 
     async def run(self, sandbox: Sandbox, prompt: str, *, model: str, timeout: float) -> HarnessRun:
         started = time.monotonic()
+        url = {"LEGORL_PROXY_URL": sandbox.proxy_url} if sandbox.proxy_url else {}
         result = await sandbox.exec(
-            ["sh", "-c", self.command], timeout=timeout, cwd=sandbox.workdir, env=_env(sandbox, {})
+            ["sh", "-c", self.command], timeout=timeout, cwd=sandbox.workdir, env=_env(sandbox, url)
         )
         status = _classify_limits(result) or ("ok" if result.exit_code == 0 else "harness_crash")
         return _run_record(result, status, started)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """legorl's built-in minimal agent: one file, standard library only, copied into the sandbox.
 
-    python3 mini_agent.py --base-url http://127.0.0.1:8000/s/SESSION/v1 --task problem.md
+    python3 mini_agent.py --base-url http://127.0.0.1:8000/s/SESSION~SECRET/v1 --task problem.md
 
 It speaks OpenAI Chat with three tools to the proxy, like any real harness: `bash` runs a
 command, `edit` replaces one exact snippet of a file, `submit` ends the run. With

@@ -6,12 +6,22 @@
 
 ``handle`` never raises for a client's mistake: it answers in the calling API's error shape.
 Every answered call is appended as a Turn record to ``{out}/{session}.jsonl``.
+
+Sessions come in two kinds. A session opened with ``open_session`` (the rollout, in-process or
+through ``POST /admin/sessions``) is a capability: it is reachable only at the route that call
+returns, ``/s/{id}~{secret}`` with 128 random bits, which the proxy checks on every request;
+its bare id and API-key headers never reach it, not even after it is closed. An open session
+(``open_sessions``, for a person calling the proxy by hand) is named by the client, at
+``/s/{id}`` or as the API key. A route that is not a live session's gets the same 404 whether
+the id exists or not. A sandbox reaches the proxy through a byte relay, so the check sits here,
+where nothing between the sandbox and the decision reparses the request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import secrets
 import sys
 import time
 from collections.abc import AsyncIterator, Mapping
@@ -42,6 +52,8 @@ from legorl.records import JsonlWriter, ToolCall, Turn, TurnFlags, TurnOutput
 _OPEN_TURN_FILES = 256  # Turn files kept open at once; older ones are reopened when needed
 _SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _ROUTE = re.compile(r"^(?:/s/(?P<session>[^/]+))?(?P<rest>/.*)?$")
+_NO_SECRET = secrets.token_hex(16)
+_CAPABILITY = re.compile(r"^(/s/[^/~]*~)[^/]*")  # a capability route's secret, for log lines
 _ENDPOINTS: dict[str, ApiName] = {
     "/v1/chat/completions": "openai_chat",
     "/chat/completions": "openai_chat",
@@ -73,6 +85,9 @@ class ProxyConfig:
     max_body_bytes: int = 32 * 1024 * 1024
     default_max_tokens: int = 4096  # when a request names none (OpenAI Chat may omit it)
     log_errors: bool = False  # one stderr line per client error
+    # Tests only, for the controls of the isolation tests: False lets bare ids and API keys
+    # reach capability sessions too, and a declared main system prompt is not bound at open.
+    isolate_sessions: bool = True
 
 
 class ProxyCore:
@@ -85,6 +100,8 @@ class ProxyCore:
         if self.out is not None:
             self.out.mkdir(parents=True, exist_ok=True)
         self.sessions: dict[str, Session] = {}
+        self._secrets: dict[str, str] = {}  # live capability sessions' secrets
+        self._granted: set[str] = set()  # every id opened as a capability (bare ids never reach)
         self._locks: dict[str, asyncio.Lock] = {}
         self._writers: dict[str, JsonlWriter] = {}  # one open Turn file per live session
         self.stats = {"requests": 0, "errors": 0, "cancelled": 0}
@@ -118,17 +135,18 @@ class ProxyCore:
                     f"{self.config.max_body_bytes}",
                     kind="request_too_large",
                 )
-            session_id = self._session_id(match.group("session"), headers)
-            if rest == "/v1/messages/count_tokens":
-                return self._count_tokens(body)
             endpoint = _ENDPOINTS.get(rest)
-            if endpoint is None:
+            if endpoint is None and rest != "/v1/messages/count_tokens":
                 raise ApiError(404, f"no route for POST {rest}", kind="not_found_error")
-            return await self._chat(endpoint, session_id, body)
+            session = self._session(match.group("session"), headers)
+            if endpoint is None:
+                return self._count_tokens(body)
+            return await self._chat(endpoint, session, body)
         except ApiError as err:
             if self.config.log_errors:
+                shown = _CAPABILITY.sub(r"\1…", path)  # a session's secret stays out of logs
                 print(
-                    f"legorl proxy: {err.status} {method} {path}: {err.message}",
+                    f"legorl proxy: {err.status} {method} {shown}: {err.message}",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -153,6 +171,7 @@ class ProxyCore:
             "engine": self.engine.name,
             "policy_version": self.engine.policy_version,
             "sessions": len(self.sessions),
+            "open_sessions": self.config.open_sessions,
             **self.stats,
         }
 
@@ -175,7 +194,18 @@ class ProxyCore:
             "last_id": self.served_name,
         }
 
-    def _session_id(self, from_path: str | None, headers: Mapping[str, str]) -> str:
+    def _session(self, from_path: str | None, headers: Mapping[str, str]) -> Session:
+        """The session a request belongs to: a capability route's, or an open session's."""
+        if from_path is not None and "~" in from_path:
+            named, _, secret = from_path.partition("~")
+            _check_id(named)
+            # Compared in constant time, against a stand-in when there is no such session, so
+            # neither the secret nor whether the id exists shows in the time to answer.
+            expected = self._secrets.get(named)
+            matches = secrets.compare_digest(secret.encode(), (expected or _NO_SECRET).encode())
+            if expected is None or not matches:
+                raise _unknown(named)
+            return self.sessions[named]
         sid = from_path
         if sid is None:
             auth = headers.get("authorization", "")
@@ -187,20 +217,22 @@ class ProxyCore:
                 "no session: use /s/{session}/… or send the session id as the API key",
                 kind="authentication_error",
             )
-        if not _SESSION_ID.match(sid):
-            raise ApiError(400, f"invalid session id {sid[:40]!r}: use letters, digits, . _ -")
-        if sid not in self.sessions:
+        _check_id(sid)
+        if sid in self._granted and self.config.isolate_sessions:
+            raise _unknown(sid)
+        session = self.sessions.get(sid)
+        if session is None:
             if not self.config.open_sessions:
-                raise ApiError(404, f"unknown session {sid!r}", kind="not_found_error")
-            self.sessions[sid] = Session(sid, self.tok)
-        return sid
+                raise _unknown(sid)
+            session = self.sessions[sid] = Session(sid, self.tok)
+        return session
 
     async def _admin(
         self, method: str, rest: str, headers: Mapping[str, str], body: bytes
     ) -> Response:
         token = self.config.admin_token
-        given = headers.get("authorization", "")
-        if token is None or given != f"Bearer {token}":
+        given = headers.get("authorization", "").encode()
+        if token is None or not secrets.compare_digest(given, f"Bearer {token}".encode()):
             raise ApiError(401, "admin routes need the admin token", kind="authentication_error")
         data = _json_object(body) if body else {}
         if method == "POST" and rest == "/admin/weights":
@@ -209,11 +241,12 @@ class ProxyCore:
                 raise ApiError(400, "path: expected a string", param="path")
             return self._json(200, {"policy_version": await self.load_weights(path)})
         if method == "POST" and rest == "/admin/sessions":
-            sid = data.get("id")
+            sid, system = data.get("id"), data.get("main_system")
             if not isinstance(sid, str):
                 raise ApiError(400, "id: expected a string", param="id")
-            self.open_session(sid)
-            return self._json(200, {"id": sid})
+            if system is not None and not isinstance(system, str):
+                raise ApiError(400, "main_system: expected a string or null", param="main_system")
+            return self._json(200, {"id": sid, "route": self.open_session(sid, main_system=system)})
         if method == "DELETE" and rest.startswith("/admin/sessions/"):
             sid = rest.rsplit("/", 1)[1]
             self.close_session(sid)
@@ -233,15 +266,26 @@ class ProxyCore:
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
 
-    def open_session(self, sid: str) -> None:
-        """Accept calls for ``sid`` (needed when ``open_sessions`` is off)."""
-        if not _SESSION_ID.match(sid):
-            raise ApiError(400, "id: expected a session id of letters, digits, . _ -")
-        self.sessions.setdefault(sid, Session(sid, self.tok))
+    def open_session(self, sid: str, *, main_system: str | None = None) -> str:
+        """Open ``sid`` as a capability session and return its route, ``/s/{sid}~{secret}``:
+        the only way to reach it. Opening an id again starts it afresh under a new secret (the
+        old route stops working); an open session of that name is dropped, and a call of it
+        still running records nothing. ``main_system`` binds the main system prompt now (see
+        ``Session``); without it the first tool-bearing call through the route binds it."""
+        _check_id(sid, field="id")
+        self.close_session(sid)
+        secret = secrets.token_hex(16)
+        if not self.config.isolate_sessions:
+            main_system = None
+        self.sessions[sid] = Session(sid, self.tok, main_system=main_system)
+        self._secrets[sid] = secret
+        self._granted.add(sid)
+        return f"/s/{sid}~{secret}"
 
     def close_session(self, sid: str) -> None:
-        """Forget a session's state and close its Turn file."""
+        """Forget a session's state and close its Turn file; its route stops working."""
         self.sessions.pop(sid, None)
+        self._secrets.pop(sid, None)
         self._locks.pop(sid, None)
         writer = self._writers.pop(sid, None)
         if writer is not None:
@@ -263,18 +307,18 @@ class ProxyCore:
 
     # ---- generation ---------------------------------------------------------------------
 
-    async def _chat(self, api: ApiName, session_id: str, body: bytes) -> Response:
+    async def _chat(self, api: ApiName, session: Session, body: bytes) -> Response:
         wire = WIRES[api]
         req = wire.parse_request(body)
         if not req.messages:
             raise ApiError(400, "messages: at least one message is required", param="messages")
-        lock = self._locks.setdefault(session_id, asyncio.Lock())
+        lock = self._locks.setdefault(session.id, asyncio.Lock())
         arrived = time.time()
         await lock.acquire()
         try:
             queued = time.time() - arrived
             t0 = time.perf_counter()
-            plan = self.sessions[session_id].plan(req)
+            plan = session.plan(req)
             build_s = time.perf_counter() - t0
             prompt = plan.prompt_ids
             limit = self.engine.max_context
@@ -287,7 +331,7 @@ class ProxyCore:
                     param="messages",
                 )
             meta = {"arrived": arrived, "queue_s": queued, "prompt_build_s": build_s}
-            events = self._generate(session_id, req, plan, prompt, meta, lock)
+            events = self._generate(session, req, plan, prompt, meta, lock)
             rid = wire.response_id()
             created = int(arrived)
             if req.stream:
@@ -315,7 +359,7 @@ class ProxyCore:
 
     async def _generate(
         self,
-        session_id: str,
+        session: Session,
         req: ChatRequest,
         plan: PromptPlan,
         prompt: list[int],
@@ -326,7 +370,7 @@ class ProxyCore:
 
         Holds the session lock until done, so calls of one session never interleave."""
         try:
-            async for ev in self._sample(session_id, req, plan, prompt, meta):
+            async for ev in self._sample(session, req, plan, prompt, meta):
                 yield ev
         finally:
             if lock.locked():
@@ -334,7 +378,7 @@ class ProxyCore:
 
     async def _sample(
         self,
-        session_id: str,
+        session: Session,
         req: ChatRequest,
         plan: PromptPlan,
         prompt: list[int],
@@ -402,7 +446,7 @@ class ProxyCore:
         finally:
             if completed:
                 self._record(
-                    session_id,
+                    session,
                     req,
                     plan,
                     ids,
@@ -421,7 +465,7 @@ class ProxyCore:
 
     def _record(
         self,
-        session_id: str,
+        session: Session,
         req: ChatRequest,
         plan: PromptPlan,
         ids: list[int],
@@ -431,8 +475,10 @@ class ProxyCore:
         version: int,
         meta: dict[str, float],
     ) -> None:
+        session_id = session.id
+        if self.sessions.get(session_id) is not session:
+            return  # closed or reopened while this call ran: its Turn belongs to no live run
         text, thinking = "".join(parser.text), "".join(parser.thinking)
-        session = self.sessions[session_id]
         turn_index = session.commit(plan, ids, Generated(text, thinking, list(parser.calls)))
         if self.out is None:
             return
@@ -503,6 +549,21 @@ class _StopStrings:
     def flush(self) -> str:
         held, self.held = self.held, ""
         return "" if self.hit is not None else held
+
+
+def _check_id(sid: str, field: str = "") -> None:
+    if not _SESSION_ID.match(sid):
+        where = f"{field}: " if field else ""
+        raise ApiError(
+            400,
+            f"{where}invalid session id {sid[:40]!r}: use letters, digits, . _ -",
+            param=field or None,
+        )
+
+
+def _unknown(sid: str) -> ApiError:
+    # One answer for "no such session" and "not yours": it tells a caller nothing it did not send.
+    return ApiError(404, f"unknown session {sid!r}", kind="not_found_error")
 
 
 def _json_object(body: bytes) -> dict[str, Any]:

@@ -9,6 +9,13 @@ sampled tokens. Anything else (compaction, truncation, edits, other tools) opens
 
 Calls with no tools, or with a system prompt other than the main agent's (title generation,
 sub-agents), go to auxiliary sub-sessions of their own, flagged ``aux``.
+
+The main agent's system prompt is bound once and never changes. Where the harness declares it
+(``main_system`` at open: the rollout passes the harness's own, e.g. the mini agent's), it is
+bound when the session opens. Otherwise the rollout cannot know it (Claude Code's depends on
+its version, the date and the working directory), and the first tool-bearing call binds it;
+the proxy lets only the session's own route reach a session it opened (``ProxyCore``), so that
+call is the run's own harness or agent, never another sandbox's client.
 """
 
 from __future__ import annotations
@@ -99,10 +106,14 @@ def _same(entry: Entry, msg: Message) -> tuple[bool, bool]:
 class Session:
     """One harness run's calls: a main sub-session and any auxiliary ones."""
 
-    def __init__(self, id: str, tokenizer: ChatTokenizer) -> None:
+    def __init__(
+        self, id: str, tokenizer: ChatTokenizer, *, main_system: str | None = None
+    ) -> None:
         self.id = id
         self.tok = tokenizer
         self.main: SubSession | None = None
+        if main_system is not None:
+            self.main = SubSession(id, aux=False, system=main_system)
         self.aux: dict[str, SubSession] = {}
 
     # ---- routing ------------------------------------------------------------------------

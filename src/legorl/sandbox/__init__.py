@@ -12,7 +12,8 @@
     legorl sandbox exec legorl-toy__geometry-1 --tasks fixtures/tasks/train.jsonl -- python -m pytest -q
 
 A sandbox is the task's repository at /testbed with one commit of history, no network except
-the proxy endpoint it was given (``Sandbox.proxy_url`` is the address to use inside), the
+the proxy it was given (``Sandbox.proxy_url`` is the address to use inside: the same path, so a
+session's capability route passes through unchanged, and the proxy checks it), the
 task's hidden tests nowhere inside, and CPU, memory, PIDs, wall time and output limited.
 Importing this package imports neither the Docker SDK nor anything heavy.
 """

@@ -7,7 +7,10 @@
 Sandboxes run with no network at all (Docker ``--network none``, bubblewrap
 ``--unshare-net``). The socket's folder is bind-mounted into the sandbox, where
 ``forwarder.py`` listens on 127.0.0.1:PORT and forwards each connection through the socket;
-here each connection is joined to the proxy's host and port and to nothing else. All relays
+here each connection is joined to the proxy's host and port and to nothing else. The relay
+does not read the bytes: which session a request reaches is the proxy's decision, on the
+capability route the sandbox was given (``legorl.proxy.core``), so no second HTTP parser here
+can disagree with the proxy's about where a request goes. All relays
 of a process share one event loop in a daemon thread, so they keep working whatever the
 caller's own loop is doing.
 """
