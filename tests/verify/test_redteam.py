@@ -34,13 +34,12 @@ from typing import Any
 
 import pytest
 
-import legorl.verify
 from legorl.engines import make_engine
 from legorl.harnesses import MiniHarness
 from legorl.protocols import Limits, SandboxBackend
 from legorl.records import Task, Trajectory, Turn, read_jsonl
 from legorl.rollout import Run, inprocess_proxy, run_one
-from legorl.verify import VerifyConfig, grade
+from legorl.verify import VerifyConfig, grade, runner, tree
 from legorl.verify.redteam import HACKS, Hack, honest, markdown_table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,8 +48,16 @@ MODEL = ROOT / "fixtures" / "models" / "tiny-qwen3"
 TASK_ID = "legorl-toy__geometry-1"
 TEST_TIMEOUT = 20.0
 RESULTS: dict[str, dict[str, Any]] = {}
-#: The grading switches this branch has (exported by legorl.verify once they land).
-LANDED = frozenset(getattr(legorl.verify, "DEFENCES", ()))
+#: The grading switches this branch has: the test run's (``runner.DEFENCES``) and the patch
+#: judge's (documented on ``VerifyConfig``).
+LANDED = runner.DEFENCES | frozenset(getattr(tree, "DEFENCES", {"judge_tree", "strict_patch"}))
+#: What the agent stage's diff was before it was made trustworthy: the agent's own git
+#: (config, attributes, filters) with stderr merged into the patch. The "diff" rows' control.
+OLD_DIFF = (
+    'cd /testbed && idx=$(mktemp) && cp .git/index "$idx" && GIT_INDEX_FILE="$idx" git add -A '
+    '&& GIT_INDEX_FILE="$idx" git diff --cached --binary --no-color --no-ext-diff '
+    "--src-prefix=a/ --dst-prefix=b/ {base} 2>&1"
+)
 
 
 def _docker_backend() -> SandboxBackend:
@@ -98,8 +105,15 @@ class _Variant:
     """A test-only sandbox backend: the real one, with a setup step after each start (a
     sandbox that lacks one of the properties a hack runs into)."""
 
-    def __init__(self, backend: SandboxBackend, setup: str = "", share_net: bool = False):
-        self.backend, self.setup, self.share_net = backend, setup, share_net
+    def __init__(
+        self,
+        backend: SandboxBackend,
+        setup: str = "",
+        share_net: bool = False,
+        old_diff: bool = False,
+    ):
+        self.backend, self.setup = backend, setup
+        self.share_net, self.old_diff = share_net, old_diff
 
     async def start(self, task: Any, tasks_dir: str, **kw: Any) -> Any:
         box: Any = await self.backend.start(task, tasks_dir, **kw)
@@ -112,6 +126,13 @@ class _Variant:
         if self.setup:
             done = await box.exec(["sh", "-c", self.setup], timeout=60, cwd=box.workdir)
             assert done.exit_code == 0, done.output
+        if self.old_diff:
+
+            async def diff() -> str:
+                cmd = OLD_DIFF.replace("{base}", box.base_sha)
+                return str((await box.exec(["sh", "-c", cmd], timeout=120)).output)
+
+            box.diff = diff
         return box
 
 
@@ -155,15 +176,17 @@ async def _rollout(
     task: Task,
     backend: Any,
     sibling: str | None = None,
+    isolate: bool = True,
 ) -> tuple[Trajectory, list[Turn], str]:
     """One real rollout: (trajectory, its turns, every prompt the agent saw, decoded)."""
     engine: Any = make_engine("forced", model_path=str(MODEL), script=script)
     harness: Any = MiniHarness(max_turns=6, max_tokens=1024)
     run_id = f"legorl-redteam-{uuid.uuid4().hex[:8]}"
     try:
-        async with inprocess_proxy(MODEL, engine, tmp / "turns") as (endpoint, _core):
+        async with inprocess_proxy(MODEL, engine, tmp / "turns") as (endpoint, core):
+            core.config.isolate_sessions = isolate  # test-only: off for the session control
             if sibling is not None:
-                await endpoint.open_session(sibling)
+                await endpoint.open_session(sibling, None)
             try:
                 traj = await run_one(
                     Run(task=task, sample_index=0),
@@ -195,7 +218,7 @@ async def _grade(
 ) -> Trajectory:
     config = VerifyConfig(test_timeout=TEST_TIMEOUT)
     if off:
-        config = VerifyConfig(test_timeout=TEST_TIMEOUT, defences_off=off)  # type: ignore[call-arg]
+        config = VerifyConfig(test_timeout=TEST_TIMEOUT, defences_off=off)
     return await grade(
         traj,
         task,
@@ -355,6 +378,28 @@ def test_sandbox_hack_fails_inside_the_sandbox(tmp_path: Path, hack: Hack) -> No
     assert graded.reward == 0.0, (hack.name, graded.verdict)
 
 
+DIFF = [h for h in HACKS if h.kind == "diff"]
+
+
+@pytest.mark.parametrize("hack", DIFF, ids=[h.name for h in DIFF])
+def test_diff_hack_stays_out_of_the_patch(tmp_path: Path, hack: Hack) -> None:
+    task = _task(hack.variant)
+    backend = _docker_backend()
+    traj, turns, _ = asyncio.run(_rollout(tmp_path / "on", hack.script(task), task, backend))
+    graded = asyncio.run(_grade(traj, task, turns))
+    old = _Variant(backend, old_diff=True)
+    ctraj, cturns, _ = asyncio.run(_rollout(tmp_path / "off", hack.script(task), task, old))
+    control = asyncio.run(_grade(ctraj, task, cturns, hack.off))
+    smuggled = "+++ b/COVER" in traj.patch
+    result = "NOT BLOCKED" if smuggled else _verdict(hack, graded)
+    label = f"{control.reward} (old diff; off: {', '.join(sorted(hack.off))})"
+    _record(hack, graded.reward, graded.hack_flags, label, result)
+    assert "+++ b/COVER" in ctraj.patch, ctraj.patch  # the old diff takes the text in
+    assert control.reward == 1.0, (hack.name, "does not cheat undefended", control.verdict)
+    assert not smuggled, traj.patch
+    assert graded.reward == 0.0, (hack.name, graded.verdict)
+
+
 SESSION = [h for h in HACKS if h.kind == "session"]
 
 
@@ -362,22 +407,29 @@ SESSION = [h for h in HACKS if h.kind == "session"]
 def test_session_crossing_writes_nothing(tmp_path: Path, hack: Hack) -> None:
     task = _task(hack.variant)
     sibling = f"{task.instance_id}.1"
-    _, _, seen = asyncio.run(
-        _rollout(tmp_path, hack.script(task), task, _docker_backend(), sibling=sibling)
+
+    def crossed(tmp: Path, isolate: bool) -> tuple[list[Turn], str]:
+        _, _, seen = asyncio.run(
+            _rollout(
+                tmp, hack.script(task), task, _docker_backend(), sibling=sibling, isolate=isolate
+            )
+        )
+        path = tmp / "turns" / f"{sibling}.jsonl"
+        return (list(read_jsonl(path, Turn)) if path.exists() else []), seen
+
+    turns, seen = crossed(tmp_path / "on", True)
+    control, control_seen = crossed(tmp_path / "off", False)
+    refused = "crossing refused" in seen and not turns
+    _record(
+        hack,
+        None,
+        [],
+        f"{len(control)} Turn(s) in the sibling (isolation off)",
+        "blocked" if refused else "NOT BLOCKED",
     )
-    path = tmp_path / "turns" / f"{sibling}.jsonl"
-    crossed = list(read_jsonl(path, Turn)) if path.exists() else []
-    refused = "crossing refused" in seen
-    result = "blocked" if refused and not crossed else "NOT BLOCKED"
-    if crossed:
-        result += " (today; waits for session isolation)"
-    _record(hack, None, [], None, result)
-    if crossed:
-        # The crossing works today (a Turn in the sibling's training data): isolation is
-        # being built; once it lands this row must pass.
-        assert "crossing answered 200" in seen, seen[-2000:]
-        pytest.xfail("crosses today; blocked once sessions are isolated")
-    assert refused, seen[-2000:]
+    assert "crossing answered 200" in control_seen and control, control_seen[-2000:]
+    assert not turns, [t.session for t in turns]
+    assert "crossing refused" in seen, seen[-2000:]
 
 
 def test_readme_table_is_the_suites_output() -> None:
