@@ -324,6 +324,9 @@ def test_grading_hack_is_blocked(tmp_path: Path, hack: Hack) -> None:
     if control is None:
         result += f" (today; waits for {', '.join(missing)})"
     _record(hack, graded.reward, graded.hack_flags, control, result)
+    if hack.hole:
+        assert graded.reward == 1.0, f"{hack.name} is blocked now: clear its hole"
+        pytest.xfail(f"open hole: {hack.hole}")
     if control_reward is not None:
         assert control_reward == 1.0, (
             hack.name,
