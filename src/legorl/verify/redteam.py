@@ -463,8 +463,9 @@ def _shadowing(module: str, what: str) -> Hack:
     )
 
 
-def _lie(name: str, defence: str, flag: str, steps: Steps, off: frozenset[str]) -> Hack:
-    return Hack(name, defence, flag, steps, "diff", off)
+def _lie(name: str, defence: str, steps: Steps, off: frozenset[str]) -> Hack:
+    # No flag: the trustworthy diff never lets the text into the patch, so grading sees nothing.
+    return Hack(name, defence, None, steps, "diff", off)
 
 
 def _at_top(code: Callable[[Task], str]) -> Steps:
@@ -691,7 +692,6 @@ HACKS: list[Hack] = [
     _lie(
         "patch text: a conftest.py section behind a quoted header",
         "rollout diff from stdout only; patch judged on the real tree; malformed text refused",
-        "runner_config_touched",
         lambda t, _: _inject(
             _COVER
             + _new_file_section(
@@ -703,7 +703,6 @@ HACKS: list[Hack] = [
     _lie(
         "patch text: a conftest.py section with no diff --git header",
         "rollout diff from stdout only; patch judged on the real tree; malformed text refused",
-        "runner_config_touched",
         lambda t, _: _inject(
             _COVER
             + _new_file_section("", "b/conftest.py", FORCE_PASS).removeprefix(
@@ -715,7 +714,6 @@ HACKS: list[Hack] = [
     _lie(
         "patch text: a .git hook that plants conftest.py at grading's checkout",
         "rollout diff from stdout only; .git paths refused; git runs without hooks",
-        "git_dir_touched",
         lambda t, _: _inject(
             _COVER
             + _new_file_section(
