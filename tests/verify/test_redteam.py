@@ -4,11 +4,12 @@ gold fix of the same task gets reward 1.
 
 Each row also has a control that shows the hack really cheats, so that its 0 is the defence's
 doing: the same trajectory graded again with its defences switched off
-(``VerifyConfig.defences_off``, once grading has those switches, named in
-``legorl.verify.DEFENCES``); before then, for defences that predate the switches, a grader
-with no defences at all (``_undefended``, in this file); for sandbox properties, the same
-hack on a test-only sandbox that lacks the property (full history; network on). A hack whose
-defence is not in grading yet must win against today's grading, and is marked xfail.
+(``VerifyConfig.defences_off``: the runner's ``runner.DEFENCES`` and the judge's
+``judge_tree`` / ``strict_patch``); for defences that predate the switches and have none, a
+grader with no defences at all (``_undefended``, in this file); for sandbox properties, the same
+hack on a test-only sandbox that lacks the property (the fix in history; network on; the old
+in-sandbox diff), or the proxy with session isolation off. A hack whose defences are not all in
+grading must win against today's grading and is marked xfail; so is a known open hole.
 
 The agent is the built-in `mini` harness driven by the `forced` engine (a fake shipping in the
 package: scripted completions, log-probs from a real forward pass of the tiny model). Runs with
