@@ -96,6 +96,8 @@ class _Reject(Exception):
 _TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _TARGET = re.compile(rb"[\x21-\x7e]+")
 _FIELD_VALUE = re.compile(rb"[^\x00-\x08\x0a-\x1f\x7f]*")  # no CTL but HTAB; no CR, LF, NUL
+_CONTROL = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # CTL but HTAB, CR, LF
+_FIELDS = re.compile(rb"(?:\r\n[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[^\r\n]*)*")
 _VERSION = re.compile(rb"HTTP/(\d)\.(\d)")
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _DIGITS = re.compile(r"[0-9]{1,19}")
@@ -105,6 +107,17 @@ _ABSOLUTE = re.compile(r"https?://[^/?#]*", re.IGNORECASE)
 _SINGLE = frozenset(
     {"host", "authorization", "x-api-key", "content-type", "expect", "content-length"}
 )
+
+
+@dataclass(slots=True)
+class _Conn:
+    """One connection: what it waits for since when (the sweeper's and the cap's view)."""
+
+    task: asyncio.Task[None]
+    phase: str = "idle"  # idle | head | body: waiting for the client; busy: the server works
+    since: float = 0.0
+    path: str | None = None  # once the head is read: a late body is answered in its API's shape
+    expired: str | None = None  # the wait that ran out, or "displaced"
 
 
 @dataclass(slots=True)
@@ -125,12 +138,12 @@ def _tokens(value: str) -> list[str]:
 
 def parse_head(head: bytes, limits: ServerLimits) -> _Request:
     """The request in ``head`` (request line and fields, CRLF-terminated); _Reject otherwise."""
-    lines = head.split(b"\r\n")
-    while lines and lines[0] == b"":  # RFC 9112 2.2: empty lines before a request line
-        lines.pop(0)
-    if not lines:
+    while head.startswith(b"\r\n"):  # RFC 9112 2.2: empty lines before a request line
+        head = head[2:]
+    end = head.find(b"\r\n")
+    line, rest = (head, b"") if end < 0 else (head[:end], head[end:])
+    if not line:
         raise _Reject(400, "empty request")
-    line = lines[0]
     if len(line) > limits.request_line_bytes:
         raise _Reject(414, f"request line longer than {limits.request_line_bytes} bytes")
     parts = line.split(b" ")
@@ -148,20 +161,20 @@ def parse_head(head: bytes, limits: ServerLimits) -> _Request:
             raise _Reject(400, f"request target {target[:80]!r} is not a path")
         target = target[absolute.end() :] or "/"
     path, _, query = target.partition("?")
-    fields = [f for f in lines[1:] if f]
-    if len(fields) > limits.header_count:
+    if rest.count(b"\r\n") > limits.header_count:
         raise _Reject(431, f"more than {limits.header_count} header fields", path)
+    crlf = rest.count(b"\r\n")
+    if _CONTROL.search(rest) or rest.count(b"\r") != crlf or rest.count(b"\n") != crlf:
+        raise _Reject(400, "control character in a header field", path)
+    if not _FIELDS.fullmatch(rest):
+        # A line without a colon, one folded onto the previous (obs-fold), space before a colon.
+        bad = next(f for f in rest.split(b"\r\n")[1:] if not _FIELDS.fullmatch(b"\r\n" + f))
+        raise _Reject(400, f"malformed header line {bad[:80]!r}", path)
     headers: dict[str, str] = {}
-    for field in fields:
-        name, sep, value = field.partition(b":")
-        if not sep or not _TOKEN.fullmatch(name):
-            # Also a line folded onto the previous one (obs-fold) or space before the colon.
-            raise _Reject(400, f"malformed header line {field[:80]!r}", path)
-        value = value.strip(b" \t")
-        if not _FIELD_VALUE.fullmatch(value):
-            raise _Reject(400, f"control character in header {name[:40]!r}", path)
-        key = name.decode("ascii").lower()
-        text = value.decode("latin-1")
+    for field in rest.decode("latin-1").split("\r\n")[1:]:
+        name, _, value = field.partition(":")
+        key = name.lower()
+        text = value.strip(" \t")
         if key in headers:
             if key in _SINGLE and headers[key] != text:
                 raise _Reject(400, f"conflicting {key} headers", path)
@@ -212,9 +225,8 @@ class ProxyServer:
         if soft != resource.RLIM_INFINITY:
             self.limits.max_connections = max(1, min(self.limits.max_connections, soft - 64))
         self._server: asyncio.Server | None = None
-        # Each connection's task, with the time it began waiting for its client (None while the
-        # server works on its request): the longest waiter is displaced at the cap.
-        self._connections: dict[asyncio.Task[None], float | None] = {}
+        self._sweeper: asyncio.Task[None] | None = None
+        self._connections: dict[asyncio.Task[None], _Conn] = {}
         self.stats = {"connections_peak": 0, "displaced": 0, "refused": 0, "rejected": 0}
 
     @property
@@ -226,6 +238,7 @@ class ProxyServer:
             self._serve, self.host, self.port, limit=MAX_HEADER_BYTES, backlog=1024
         )
         self.port = self._server.sockets[0].getsockname()[1]
+        self._sweeper = asyncio.ensure_future(self._sweep())
         return self.port
 
     @property
@@ -233,6 +246,8 @@ class ProxyServer:
         return f"http://{self.host}:{self.port}"
 
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self._server is not None:
             self._server.close()
             for task in list(self._connections):
@@ -247,83 +262,105 @@ class ProxyServer:
         async with self._server:
             await self._server.serve_forever()
 
-    # ---- one connection -----------------------------------------------------------------
+    # ---- waits: one sweeper for all connections, cheaper per call than a timer per read ------
 
-    def _admit(self, task: asyncio.Task[None]) -> bool:
+    async def _sweep(self) -> None:
+        waits = {
+            "idle": self.limits.idle_s,
+            "head": self.limits.header_s,
+            "body": self.limits.body_s,
+        }
+        every = max(0.02, min(1.0, min(waits.values()) / 4))
+        while True:
+            await asyncio.sleep(every)
+            now = time.monotonic()
+            for conn in list(self._connections.values()):
+                wait = waits.get(conn.phase)
+                if wait is not None and conn.expired is None and now - conn.since > wait:
+                    conn.expired = conn.phase
+                    conn.task.cancel()
+
+    def _admit(self, task: asyncio.Task[None]) -> _Conn | None:
         if len(self._connections) >= self.limits.max_connections:
-            waiting = [(since, t) for t, since in self._connections.items() if since is not None]
+            waiting = [c for c in self._connections.values() if c.phase != "busy" and not c.expired]
             if not waiting:
-                return False
-            _, oldest = min(waiting, key=lambda w: w[0])
-            del self._connections[oldest]
-            oldest.cancel()
+                return None
+            oldest = min(waiting, key=lambda c: c.since)
+            oldest.expired = "displaced"
+            oldest.task.cancel()
+            del self._connections[oldest.task]
             self.stats["displaced"] += 1
-        self._connections[task] = time.monotonic()
+        conn = self._connections[task] = _Conn(task, since=time.monotonic())
         self.stats["connections_peak"] = max(self.stats["connections_peak"], len(self._connections))
         task.add_done_callback(lambda t: self._connections.pop(t, None))
-        return True
+        return conn
+
+    # ---- one connection -----------------------------------------------------------------
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
+        conn = self._admit(task)
         try:
-            if not self._admit(task):
+            if conn is None:
                 self.stats["refused"] += 1
                 await self._plain(writer, 503, b"too many connections")
                 return
-            await self._requests(task, reader, writer)
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            await self._requests(conn, reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
             return
+        except asyncio.CancelledError:
+            if conn is None or conn.expired not in ("head", "body"):
+                return  # idle, displaced, or the server closing: closed without an answer
+            task.uncancel()
+            rej = _Reject(408, f"request {conn.expired} not received in time", conn.path)
+            writer.write(self._frame(self._rejection(rej), False))  # sent by close()
         finally:
             with contextlib.suppress(Exception):
                 writer.close()
 
+    def _rejection(self, rej: _Reject) -> Response:
+        if rej.path is None:
+            return Response(rej.status, rej.message.encode(), content_type="text/plain")
+        kind = _KIND.get(rej.status, "invalid_request_error")
+        return self.core.error_response(rej.path, ApiError(rej.status, rej.message, kind=kind))
+
     async def _requests(
-        self, task: asyncio.Task[None], reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self, conn: _Conn, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        limits = self.limits
         while True:
-            if task in self._connections:
-                self._connections[task] = time.monotonic()
+            conn.phase, conn.since, conn.path = "idle", time.monotonic(), None
+            first = await reader.readexactly(1)
+            conn.phase, conn.since = "head", time.monotonic()
             try:
-                async with asyncio.timeout(limits.idle_s):
-                    first = await reader.readexactly(1)
-            except TimeoutError:
-                return  # an idle keep-alive connection: closed without an answer
-            try:
-                request = await self._read_request(first, reader, writer)
+                req, body = await self._read_request(conn, first, reader, writer)
             except _Reject as rej:
+                conn.phase = "busy"
                 self.stats["rejected"] += 1
-                if rej.path is None:
-                    await self._plain(writer, rej.status, rej.message.encode())
-                else:
-                    err = ApiError(
-                        rej.status, rej.message, kind=_KIND.get(rej.status, "invalid_request_error")
-                    )
-                    await self._write(writer, self.core.error_response(rej.path, err), False)
+                await self._write(writer, self._rejection(rej), False)
                 await _linger(reader, writer)
                 return
-            if task in self._connections:
-                self._connections[task] = None
-            req, body = request
+            conn.phase = "busy"
             response = await self.core.handle(req.method, req.path, req.query, req.headers, body)
             if not await self._write(writer, response, req.keep_alive) or not req.keep_alive:
                 return
 
     async def _read_request(
-        self, first: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self,
+        conn: _Conn,
+        first: bytes,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
     ) -> tuple[_Request, bytes]:
         limits = self.limits
         try:
-            async with asyncio.timeout(limits.header_s):
-                head = first + await reader.readuntil(b"\r\n\r\n")
-        except TimeoutError:
-            raise _Reject(408, "request head not received in time") from None
+            head = first + await reader.readuntil(b"\r\n\r\n")
         except asyncio.LimitOverrunError:
             raise _Reject(431, f"request head larger than {MAX_HEADER_BYTES} bytes") from None
         except asyncio.IncompleteReadError:
             raise ConnectionError from None
         req = parse_head(head[:-4], limits)
+        conn.phase, conn.since, conn.path = "body", time.monotonic(), req.path
         max_body = self.core.config.max_body_bytes
         if req.length is not None and req.length > max_body:
             raise _Reject(
@@ -335,23 +372,17 @@ class ProxyServer:
                 raise _Reject(417, f"unsupported expectation {expect[:40]!r}", req.path)
             if req.version == 1:
                 writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        try:
-            async with asyncio.timeout(limits.body_s):
-                if req.chunked:
-                    body = await _read_chunked(reader, max_body, limits, req.path)
-                else:
-                    body = await reader.readexactly(req.length) if req.length else b""
-        except TimeoutError:
-            raise _Reject(408, "request body not received in time", req.path) from None
+        if req.chunked:
+            body = await _read_chunked(reader, max_body, limits, req.path)
+        else:
+            body = await reader.readexactly(req.length) if req.length else b""
         return req, body
 
     async def _plain(self, writer: asyncio.StreamWriter, status: int, text: bytes) -> None:
         await self._write(writer, Response(status, text, content_type="text/plain"), False)
 
-    async def _write(
-        self, writer: asyncio.StreamWriter, response: Response, keep_alive: bool
-    ) -> bool:
-        """Send a response; False when the client went away."""
+    def _frame(self, response: Response, keep_alive: bool) -> bytes:
+        """The status line and header fields (and a bytes body) of ``response``."""
         head = [
             f"HTTP/1.1 {response.status} {_REASONS.get(response.status, 'Status')}",
             f"content-type: {response.content_type}",
@@ -363,15 +394,22 @@ class ProxyServer:
         body = response.body
         if isinstance(body, bytes):
             head.append(f"content-length: {len(body)}")
-            writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+            return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+        head.append("transfer-encoding: chunked")
+        return ("\r\n".join(head) + "\r\n\r\n").encode()
+
+    async def _write(
+        self, writer: asyncio.StreamWriter, response: Response, keep_alive: bool
+    ) -> bool:
+        """Send a response; False when the client went away."""
+        writer.write(self._frame(response, keep_alive))
+        if isinstance(response.body, bytes):
             try:
                 await writer.drain()
             except ConnectionError:
                 return False
             return True
-        head.append("transfer-encoding: chunked")
-        writer.write(("\r\n".join(head) + "\r\n\r\n").encode())
-        return await _write_chunks(writer, body)
+        return await _write_chunks(writer, response.body)
 
 
 _LINGER_S, _LINGER_BYTES = 0.5, 1 << 20
