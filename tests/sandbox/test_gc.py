@@ -10,6 +10,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +43,12 @@ async def main():
         backend.start(task, tasks_dir, run_id=run_id) for _ in range(int(n))
     ])
     # Each sandbox is busy, as during a rollout; "ready" once every command has really started.
+    # (Docker calls on_output from a worker thread.)
+    loop = asyncio.get_running_loop()
     started = [asyncio.Event() for _ in boxes]
     busy = [
         asyncio.create_task(b.exec(f"echo up; exec sleep {marker}", timeout=600,
-                                   on_output=lambda _chunk, e=e: e.set()))
+                                   on_output=lambda _c, e=e: loop.call_soon_threadsafe(e.set)))
         for b, e in zip(boxes, started)
     ]
     await asyncio.gather(*(e.wait() for e in started))
@@ -115,6 +118,9 @@ def test_kill_9_then_gc_leaves_nothing(backend: Any) -> None:
     rid = run_id()
     marker = f"300.{secrets.randbelow(10**6):06d}"
     holder, enforced = _hold(backend.name, rid, 8, marker)
+    deadline = time.monotonic() + 60  # "up" is printed just before each shell execs its sleep
+    while len(_busy_pids(marker)) < 8 and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert len(_busy_pids(marker)) == 8
     if backend.name == "docker":
         assert len(_containers(backend.api, rid)) == 8

@@ -24,7 +24,7 @@ import re
 import resource
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from legorl.proxy.chat import ApiError
 from legorl.proxy.core import ProxyCore, Response
@@ -161,9 +161,9 @@ def parse_head(head: bytes, limits: ServerLimits) -> _Request:
             raise _Reject(400, f"request target {target[:80]!r} is not a path")
         target = target[absolute.end() :] or "/"
     path, _, query = target.partition("?")
-    if rest.count(b"\r\n") > limits.header_count:
+    crlf = rest.count(b"\r\n")  # one per field
+    if crlf > limits.header_count:
         raise _Reject(431, f"more than {limits.header_count} header fields", path)
-    crlf = rest.count(b"\r\n")
     if _CONTROL.search(rest) or rest.count(b"\r") != crlf or rest.count(b"\n") != crlf:
         raise _Reject(400, "control character in a header field", path)
     if not _FIELDS.fullmatch(rest):
@@ -220,10 +220,10 @@ class ProxyServer:
         self.core = core
         self.host = host
         self.port = port
-        self.limits = limits or ServerLimits()
+        self.limits = limits = limits or ServerLimits()
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft != resource.RLIM_INFINITY:
-            self.limits.max_connections = max(1, min(self.limits.max_connections, soft - 64))
+        if soft != resource.RLIM_INFINITY and limits.max_connections > soft - 64:
+            self.limits = replace(limits, max_connections=max(1, soft - 64))
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._connections: dict[asyncio.Task[None], _Conn] = {}
