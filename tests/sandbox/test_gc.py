@@ -6,13 +6,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from sandbox_fixtures import (  # noqa: F401  (fixtures are found by name)
+    IN_CI,
     TASKS_DIR,
     TRAIN,
     fixture_backend,
@@ -23,42 +26,65 @@ from sandbox_fixtures import (  # noqa: F401  (fixtures are found by name)
     task,
 )
 
+from legorl.sandbox import cgroups
 from legorl.sandbox.common import state_root
 
 HOLDER = r"""
-import asyncio, sys
+import asyncio, json, sys
 from legorl.records import Task, read_jsonl
 from legorl.sandbox import make_backend
 
-name, tasks_file, task_id, run_id, n = sys.argv[1:6]
+name, tasks_file, task_id, run_id, n, tasks_dir, marker = sys.argv[1:8]
 task = next(t for t in read_jsonl(tasks_file, Task) if t.instance_id == task_id)
 backend = make_backend(name)
 
 async def main():
     boxes = await asyncio.gather(*[
-        backend.start(task, sys.argv[6], run_id=run_id) for _ in range(int(n))
+        backend.start(task, tasks_dir, run_id=run_id) for _ in range(int(n))
     ])
-    # Each sandbox is busy, as during a rollout.
-    busy = [asyncio.create_task(b.exec("sleep 300", timeout=600)) for b in boxes]
-    await asyncio.sleep(1.0)
-    print("ready", flush=True)
+    # Each sandbox is busy, as during a rollout; "ready" once every command has really started.
+    # (Docker calls on_output from a worker thread.)
+    loop = asyncio.get_running_loop()
+    started = [asyncio.Event() for _ in boxes]
+    busy = [
+        asyncio.create_task(b.exec(f"echo up; exec sleep {marker}", timeout=600,
+                                   on_output=lambda _c, e=e: loop.call_soon_threadsafe(e.set)))
+        for b, e in zip(boxes, started)
+    ]
+    await asyncio.gather(*(e.wait() for e in started))
+    enforced = [getattr(b, "limits_enforced", None) for b in boxes]
+    print("ready " + json.dumps(enforced), flush=True)
     await asyncio.gather(*busy)
 
 asyncio.run(main())
 """
 
 
-def _hold(name: str, rid: str, n: int) -> subprocess.Popen:
+def _hold(name: str, rid: str, n: int, marker: str = "300") -> tuple[subprocess.Popen, list[Any]]:
     proc = subprocess.Popen(
         [sys.executable, "-c", HOLDER, name, str(TRAIN), task().instance_id, rid, str(n),
-         str(TASKS_DIR)],
+         str(TASKS_DIR), marker],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )  # fmt: skip
     assert proc.stdout is not None
     line = proc.stdout.readline()
-    assert line == b"ready\n", proc.stderr.read().decode() if proc.stderr else ""
-    return proc
+    assert line.startswith(b"ready "), proc.stderr.read().decode() if proc.stderr else ""
+    return proc, json.loads(line[6:])
+
+
+def _busy_pids(marker: str) -> list[int]:
+    """Host pids of the holder's busy commands (``sleep <marker>``), found through /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv[:2] == [b"sleep", marker.encode()]:
+                found.append(int(entry.name))
+    return found
 
 
 def _containers(api: Any, rid: str) -> list[dict[str, Any]]:
@@ -77,18 +103,9 @@ def _local_boxes(rid: str) -> list[Path]:
     return out
 
 
-def _cgroup_pids(names: list[str]) -> list[str]:
-    pids = []
-    for ctl in ("memory", "pids"):
-        for n in names:
-            procs = Path(f"/sys/fs/cgroup/{ctl}/legorl/{n}/cgroup.procs")
-            if procs.is_file():
-                pids += procs.read_text().split()
-    unified = [Path(f"/sys/fs/cgroup/legorl/{n}/cgroup.procs") for n in names]
-    for procs in unified:
-        if procs.is_file():
-            pids += procs.read_text().split()
-    return pids
+def _cgroup_folders(names: list[str]) -> list[Path]:
+    """Every legorl cgroup folder of these sandboxes, in every hierarchy this host has."""
+    return [p for p in cgroups.stale(set()) if p.name in names]
 
 
 def legorl(*args: str) -> subprocess.CompletedProcess:
@@ -99,13 +116,27 @@ def legorl(*args: str) -> subprocess.CompletedProcess:
 
 def test_kill_9_then_gc_leaves_nothing(backend: Any) -> None:
     rid = run_id()
-    holder = _hold(backend.name, rid, 8)
+    marker = f"300.{secrets.randbelow(10**6):06d}"
+    holder, enforced = _hold(backend.name, rid, 8, marker)
     if backend.name == "docker":
         assert len(_containers(backend.api, rid)) == 8
     else:
+        deadline = time.monotonic() + 60  # "up" is printed just before each shell execs sleep
+        while len(_busy_pids(marker)) < 8 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(_busy_pids(marker)) == 8
         boxes = _local_boxes(rid)
+        names = [b.name for b in boxes]
         assert len(boxes) == 8
-        assert _cgroup_pids([b.name for b in boxes]) or not Path("/sys/fs/cgroup/memory").is_dir()
+        if all(enforced):  # the busy commands are inside their sandboxes' cgroups
+            folders = _cgroup_folders(names)
+            held = {int(x) for f in folders for x in (f / "cgroup.procs").read_text().split()}
+            assert {n for n in names if any(f.name == n for f in folders)} == set(names)
+            assert set(_busy_pids(marker)) <= held
+        else:
+            # Not root, no delegated v2 tree: only the processes can be checked.
+            assert not any(enforced), enforced
+            assert not IN_CI, "cgroups the sandboxes may create are required under CI=true"
     os.kill(holder.pid, signal.SIGKILL)
     holder.wait()
 
@@ -114,18 +145,16 @@ def test_kill_9_then_gc_leaves_nothing(backend: Any) -> None:
     if backend.name == "docker":
         assert _containers(backend.api, rid) == []
     else:
-        names = [b.name for b in boxes]
+        assert _busy_pids(marker) == []  # the busy commands died with their holder
         assert _local_boxes(rid) == []
-        assert _cgroup_pids(names) == []  # the busy commands died with their holder
-        assert not any(Path(f"/sys/fs/cgroup/{c}/legorl/{n}").exists()
-                       for c in ("memory", "pids", "cpu") for n in names)  # fmt: skip
+        assert _cgroup_folders(names) == []
 
 
 def test_the_next_start_reaps_a_dead_runs_containers(docker_backend: Any) -> None:
     from legorl.sandbox import make_backend
 
     rid = run_id()
-    holder = _hold("docker", rid, 2)
+    holder, _ = _hold("docker", rid, 2)
     os.kill(holder.pid, signal.SIGKILL)
     holder.wait()
     assert len(_containers(docker_backend.api, rid)) == 2

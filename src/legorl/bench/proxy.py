@@ -254,11 +254,13 @@ def _serve_main(mode: str, delay: float, ready_fd: int) -> None:
 
 
 class _Server:
-    def __init__(self, mode: str = "direct", delay: float = 0.0) -> None:
+    def __init__(self, mode: str = "direct", delay: float = 0.0, src: str | None = None) -> None:
         read_fd, write_fd = os.pipe()
+        env = None if src is None else {**os.environ, "PYTHONPATH": src}  # another legorl tree
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "legorl.bench.proxy", mode, str(delay), str(write_fd)],
             pass_fds=(write_fd,),
+            env=env,
         )
         os.close(write_fd)
         with os.fdopen(read_fd) as fh:
@@ -496,5 +498,38 @@ def bench_proxy(quick: bool = False) -> dict[str, Any]:
     return report
 
 
+def compare_cpu_per_call(srcs: list[str], rounds: int = 3) -> dict[str, Any]:
+    """The serve section's CPU per call for servers from other source trees, side by side:
+    ``python -m legorl.bench.proxy compare /path/to/other/src src`` (rounds interleaved)."""
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, {1})
+    runs: dict[str, list[dict[str, float]]] = {src: [] for src in srcs}
+
+    async def one(src: str, i: int) -> dict[str, float]:
+        server = _Server("direct", src=str(Path(src).resolve()))
+        try:
+            return await _cpu_per_request(server, 64, 12, f"cmp{i}")
+        finally:
+            server.stop()
+
+    for i in range(rounds):
+        for src in srcs:
+            runs[src].append(asyncio.run(one(src, i)))
+    report: dict[str, Any] = {}
+    for src, results in runs.items():
+        report[src] = {
+            key: statistics.median(r[key] for r in results)
+            for key in ("turn1_cpu_ms", "turn2plus_cpu_ms")
+        }
+    first, last = srcs[0], srcs[-1]
+    report["turn2plus_last_over_first"] = round(
+        report[last]["turn2plus_cpu_ms"] / report[first]["turn2plus_cpu_ms"], 3
+    )
+    return report
+
+
 if __name__ == "__main__":
-    _serve_main(sys.argv[1], float(sys.argv[2]), int(sys.argv[3]))
+    if sys.argv[1] == "compare":
+        print(orjson.dumps(compare_cpu_per_call(sys.argv[2:]), option=orjson.OPT_INDENT_2).decode())
+    else:
+        _serve_main(sys.argv[1], float(sys.argv[2]), int(sys.argv[3]))

@@ -712,7 +712,5 @@ def gc_local(*, everything: bool = False, dry_run: bool = False) -> list[str]:
             if owner_alive(json.loads(owner_file.read_text()).get("owner", "")) is not False:
                 continue
         if not dry_run:
-            cg = cgroups.CgroupSet(created=[path])
-            cg.memory = cg.pids = cg.cpu = path
-            cg.remove()
+            cgroups.CgroupSet.of_folder(path).remove()
     return removed
