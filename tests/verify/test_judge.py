@@ -18,12 +18,18 @@ import pytest
 from legorl.records import Task, Trajectory, read_jsonl
 from legorl.verify import VerifyConfig, grade
 from legorl.verify.patches import PatchError, parse_strict
+from legorl.verify.redteam import _SHADOW_PYTEST as SHADOW_PYTEST
+from legorl.verify.runner import DEFENCES
 from legorl.verify.tree import apply_model_patch, import_roots, judge
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ROOT / "fixtures" / "tasks"
 TASK_ID = "legorl-toy__geometry-1"
-BOTH = frozenset({"judge_tree", "strict_patch"})
+#: The runner's own defences (launch, stream, guard, differential run) stop these attacks too;
+#: a control switches them off as well, so that its reward 1 shows what the judge alone holds.
+RUNNER = DEFENCES
+BOTH = frozenset({"judge_tree", "strict_patch"}) | RUNNER
+JUDGE_OFF = frozenset({"judge_tree"}) | RUNNER
 
 #: A conftest hook that turns every test's report into a pass.
 FORCE_PASS = textwrap.dedent(
@@ -149,7 +155,7 @@ def test_a_quoted_header_smuggles_a_conftest_past_the_header_filter(backend: str
     assert {"path": "conftest.py", "reason": "runner_config_touched", "action": "deleted"} in (
         blocked.verdict["dropped"]
     )
-    control = _grade(attack, frozenset({"judge_tree"}), backend=backend)
+    control = _grade(attack, JUDGE_OFF, backend=backend)
     assert control.reward == 1.0, control.verdict
 
 
@@ -184,37 +190,15 @@ def test_a_hook_written_into_git_never_runs() -> None:
     assert control.reward == 1.0 and control.verdict["patch_apply"] == "patch_fuzz"
 
 
-FORGED_PYTEST = textwrap.dedent(
-    """\
-    import hashlib, hmac, json, os, re, sys
-
-    key = sys.stdin.readline().strip().encode()
-    path = os.environ["LEGORL_REPORT"]
-
-
-    def emit(record):
-        body = json.dumps(record, sort_keys=True)
-        mac = hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
-        with open(path, "a") as fh:
-            fh.write(json.dumps({"r": record, "mac": mac}) + "\\n")
-
-
-    emit({"event": "start"})
-    for arg in sys.argv[1:]:
-        if arg.endswith(".py") and os.path.exists(arg):
-            for name in re.findall(r"^def (test_\\w+)", open(arg).read(), re.M):
-                emit({"event": "test", "nodeid": arg + "::" + name, "when": "call",
-                      "outcome": "passed"})
-    emit({"event": "finish", "exitstatus": 0})
-    """
-)
+#: A root `pytest.py` that runs the real pytest with a force-pass plugin (the red team's).
+FORGED_PYTEST = SHADOW_PYTEST
 
 
 def test_a_module_that_shadows_the_runner_is_reverted() -> None:
     attack = _new_file("pytest.py", FORGED_PYTEST)
     blocked = _grade(attack)
     assert blocked.reward == 0.0 and "shadowing" in blocked.hack_flags
-    control = _grade(attack, frozenset({"judge_tree"}))
+    control = _grade(attack, JUDGE_OFF)
     assert control.reward == 1.0, control.verdict
 
 
