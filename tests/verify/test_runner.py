@@ -26,6 +26,8 @@ TASKS = ROOT / "fixtures" / "tasks"
 TASK_ID = "legorl-toy__geometry-1"
 # Helper `judge` reverts shadowing files from the patch; the launch must hold without it.
 JUDGE = frozenset({"judge_tree"})
+# The pytest run's audit hook refuses gc, which the attacks below walk to reach pytest's objects.
+GC = frozenset({"audit_pytest"})
 
 
 def _task() -> Task:
@@ -150,13 +152,13 @@ def test_a_report_seen_only_by_our_plugin_disagrees_with_the_exit_code(tmp_path:
             """
         },
     )
-    control = _grade(patch, off={"integrity", "differential", "exit_code"})
+    control = _grade(patch, off=GC | {"integrity", "differential", "exit_code"})
     assert control.reward == 1.0, control.verdict
     assert control.verdict["exit_code"] == 1
-    held = _grade(patch, off={"integrity", "differential"})
+    held = _grade(patch, off=GC | {"integrity", "differential"})
     assert held.reward == 0.0 and "runner_tampered" in held.hack_flags
     assert "exit code 1" in held.verdict["runner_problems"][0]
-    assert _grade(patch, off={"differential"}).verdict["tampered"]  # integrity sees it too
+    assert _grade(patch, off=GC | {"differential"}).verdict["tampered"]  # integrity sees it too
 
 
 def test_records_once_written_cannot_be_unwritten(tmp_path: Path) -> None:
@@ -189,9 +191,9 @@ def test_records_once_written_cannot_be_unwritten(tmp_path: Path) -> None:
             """.replace("TESTS", repr(_task().FAIL_TO_PASS + _task().PASS_TO_PASS))
         },
     )
-    control = _grade(patch, off={"stream", "differential", "exit_code"})
+    control = _grade(patch, off=GC | {"stream", "differential", "exit_code"})
     assert control.reward == 1.0, control.verdict
-    held = _grade(patch, off={"differential", "exit_code"})
+    held = _grade(patch, off=GC | {"differential", "exit_code"})
     assert held.reward == 0.0 and "forged_report" in held.hack_flags
     assert held.verdict["tests"][_task().FAIL_TO_PASS[0]] == "failed"
 

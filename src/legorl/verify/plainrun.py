@@ -171,18 +171,20 @@ _FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
 
 
 def _frame_keepers():
-    """Code objects that take a frame and hand back only names, or clear it."""
-    create = vars(enum.EnumType)["_create_"]
+    """Functions that take a frame and hand back only names, or clear it: code object ->
+    the globals it must run with (the same code under other globals could pass the frame on)."""
+
+    def of(*functions):
+        return {f.__code__: f.__globals__ for f in functions}
+
     return (
-        frozenset(
-            {
-                collections.namedtuple.__code__,
-                typing._caller.__code__,  # type: ignore[attr-defined]
-                create.__code__,
-            }
+        of(
+            collections.namedtuple,
+            typing._caller,  # type: ignore[attr-defined]
+            vars(enum.EnumType)["_create_"],
         ),
-        frozenset({traceback.clear_frames.__code__}),
-        (logging.currentframe.__code__, logging.Logger.findCaller.__code__),
+        of(traceback.clear_frames),
+        (of(logging.currentframe), of(logging.Logger.findCaller)),
     )
 
 
@@ -194,9 +196,9 @@ def audit(*, pytest=False):
     inside = set()  # threads now in the hook (its own frame look-ups are let through)
     getframe, realpath, ident = sys._getframe, os.path.realpath, _thread.get_ident
 
-    def caller_is(codes, depth):
+    def caller_is(keepers, depth):
         frame = getframe(depth)
-        return frame is not None and frame.f_code in codes
+        return frame is not None and keepers.get(frame.f_code) is frame.f_globals
 
     def allowed(event, args):
         if event.startswith("ctypes."):
@@ -214,7 +216,7 @@ def audit(*, pytest=False):
         if event == "sys._getframe":
             if caller_is(getters, 3):
                 return True
-            return caller_is((currentframe,), 3) and caller_is((find_caller,), 4)
+            return caller_is(currentframe, 3) and caller_is(find_caller, 4)
         if event == "object.__getattr__" and args[1] in _FRAME_ATTRS:
             return caller_is(attr_readers, 3)
         return True
