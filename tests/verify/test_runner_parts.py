@@ -191,3 +191,65 @@ def test_constant_comparison_dunders_are_found() -> None:
     """
     assert constant_comparisons(_diff("geo.py", constant)) == ["geo.py: __eq__", "geo.py: __ne__"]
     assert constant_comparisons(_diff("geo.py", honest)) == []
+
+
+def test_the_audit_hook_lets_stdlib_frame_users_pass_and_refuses_the_rest(tmp_path: Path) -> None:
+    # namedtuple, typing, enum and logging look at their caller's frame; assertRaises clears
+    # frames. Each other test reaches for something the hook refuses, catches the refusal, and
+    # would pass without the hook (the control, --no-audit).
+    reach = {
+        "gc": "import gc; gc.get_referrers(area)",
+        "frame": "import sys; sys._getframe(1)",
+        "traceback": "_raised().__traceback__.tb_frame",
+        "generator": "(lambda g: g.gi_frame)(x for x in ())",
+        "mem": "open('/proc/self/mem', 'rb')",
+        "child": "import subprocess; subprocess.run(['true'])",
+        "hook": "import sys; sys.addaudithook(lambda event, args: None)",
+        "trace": "import sys; sys.settrace(None)",
+    }
+    tests = "".join(
+        f"def test_{name}():\n    try:\n        {code}\n    except Exception:\n        pass\n\n"
+        for name, code in reach.items()
+    )
+    honest = """
+        import collections, enum, logging, typing, unittest
+        from lib import area
+
+        Point = collections.namedtuple("Point", "x y")
+        Colour = enum.Enum("Colour", "RED GREEN")
+
+        class Pair(typing.NamedTuple):
+            a: int
+
+        def _raised():
+            try:
+                raise OSError
+            except OSError as exc:
+                return exc
+
+        def test_stdlib():
+            logging.getLogger("t").warning("area %s", area(2, 2))
+            assert Point(1, 2).y == 2 and Colour.RED.value == 1 and Pair(3).a == 3
+
+        class TestRaises(unittest.TestCase):
+            def test_raises(self):
+                with self.assertRaises(ZeroDivisionError):
+                    area(1, 0) / 0
+
+    """
+    repo, grade = _repo(tmp_path, {**LIB, "tests/test_audit.py": textwrap.dedent(honest) + tests})
+    ids = ["test_stdlib", "TestRaises::test_raises", *(f"test_{n}" for n in reach)]
+    ids = [f"tests/test_audit.py::{t}" for t in ids]
+    found, forged = records(_boot(repo, grade, "plain", "--", *ids).stdout, b"k3y")
+    plain = {r["nodeid"].split("::", 1)[1]: r for r in found if r["event"] == "plain"}
+    assert forged == 0
+    assert (
+        plain["test_stdlib"]["outcome"] == plain["TestRaises::test_raises"]["outcome"] == "passed"
+    )
+    for name in reach:
+        assert plain[f"test_{name}"]["outcome"] == "refused", (name, plain[f"test_{name}"])
+    assert "gc.get_referrers" in plain["test_gc"]["detail"]
+    assert "tb_frame" in plain["test_traceback"]["detail"]
+    control, _ = records(_boot(repo, grade, "plain", "--no-audit", "--", *ids).stdout, b"k3y")
+    assert all(r["outcome"] == "passed" for r in control if r["event"] == "plain")
+    assert len([r for r in control if r["event"] == "plain"]) == len(ids)

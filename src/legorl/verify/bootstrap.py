@@ -4,7 +4,7 @@
     python -I -B /tmp/legorl-grade/boot-….py pytest SINK [OPTIONS] -- PYTEST_ARGS < key
     python -I -B /tmp/legorl-grade/boot-….py plain SINK [OPTIONS] -- NODEID … < key
 
-OPTIONS: ``--no-integrity``, ``--no-twin``, ``--watch=FILE`` (a JSON list of the test ids whose
+OPTIONS: ``--no-integrity``, ``--no-twin``, ``--no-audit``, ``--watch=FILE`` (a JSON list of the test ids whose
 outcomes are recorded one by one; the others are only counted), ``--log=FILE`` (where the run's
 own stdout and stderr go).
 
@@ -16,6 +16,9 @@ installed distributions' entry points before the repository joins ``sys.path`` (
 and our plugin goes to ``pytest.main`` as an object under a random module name; repository
 modules the environment also has (which lose to it) are named in a signed ``shadowed`` record. ``plain`` mode
 runs the named tests with the independent runner (`plainrun.py`), never importing ``_pytest``.
+Before the repository joins ``sys.path`` an audit hook goes in (`plainrun.audit`): the full
+one in ``plain`` mode, in ``pytest`` mode one refusing only what pytest never needs. The
+signer is only ever a local of `main`, never a global or an attribute of anything importable.
 The process exits with the runner's own exit status.
 """
 
@@ -76,10 +79,12 @@ def main():
         os.dup2(log, 2)
         os.close(log)
     repo = os.getcwd()
+    plain = _load(os.path.join(here, "plainrun.py"), "_legorl_" + secrets.token_hex(8))
     if mode == "plain":
+        refused = [] if "--no-audit" in options else plain.audit()
         sys.path.append(repo)
-        plain = _load(os.path.join(here, "plainrun.py"), "_legorl_" + secrets.token_hex(8))
-        sys.exit(plain.run(args, emit, repo=repo, twin="--no-twin" not in options))
+        twin = "--no-twin" not in options
+        sys.exit(plain.run(args, emit, repo=repo, twin=twin, refused=refused))
     os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     from importlib.metadata import entry_points
 
@@ -104,6 +109,8 @@ def main():
         integrity="--no-integrity" not in options,
         watch=watch,
     )
+    if "--no-audit" not in options:
+        plain.audit(pytest=True)
     sys.path.append(repo)
     code = pytest.main(args, plugins=[*plugins, ours])
     sys.exit(int(code))

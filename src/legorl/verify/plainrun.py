@@ -12,14 +12,29 @@ Twin: the test module's source is compiled again with every comparison in an ``a
 the two values of ``self.assertEqual``-like calls) routed through a checker that also compares
 each side against a fresh private sentinel. Nothing equals that sentinel, nothing orders against
 it, so a comparison that holds against it proves nothing: the result is counted ``vacuous``.
+
+Audit: before any repository code is imported, `audit` installs a ``sys.addaudithook`` hook
+(which Python cannot remove) refusing what reaches the signer, which lives only in the
+bootstrap's frame: object walks (``gc.get_objects``/``get_referrers``/``get_referents``), frames
+(``sys._getframe``, ``sys._current_frames``, ``tb_frame``/``gi_frame``/``cr_frame``/``ag_frame``,
+trace and profile functions), native code (``ctypes``), this process's memory (``/proc``), child
+processes (which could read it), and further audit hooks (which would see the frames of the
+calls let through). Frames go only to stdlib functions that keep them (``namedtuple``, ``typing``
+and ``enum`` take the caller's module name, ``logging`` its file and line, ``clear_frames``
+clears them). A test during which anything was refused is ``refused``, never ``passed``.
 """
 
+import _thread
 import ast
+import collections
+import enum
 import importlib
+import logging
 import os
 import sys
 import traceback
 import types
+import typing
 import unittest
 
 _EQ_CALLS = {
@@ -127,6 +142,109 @@ class _InAssert(ast.NodeTransformer):
         return self.outer._call("compare", [ast.Constant(op), node.left, node.comparators[0]])
 
 
+class Refused(RuntimeError):
+    """Raised by the audit hook (a RuntimeError, so a refused ``sys.addaudithook`` is dropped)."""
+
+
+_EVENTS = frozenset(
+    {
+        "gc.get_objects",
+        "gc.get_referrers",
+        "gc.get_referents",
+        "sys.addaudithook",
+        "sys._current_frames",
+        "sys._current_exceptions",
+        "sys.settrace",
+        "sys.setprofile",
+        "os.system",
+        "os.exec",
+        "os.posix_spawn",
+        "os.spawn",
+        "os.fork",
+        "os.forkpty",
+        "subprocess.Popen",
+        "pty.spawn",
+    }
+)
+_PYTEST_EVENTS = frozenset({"gc.get_objects", "gc.get_referrers", "gc.get_referents"})
+_FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
+
+
+def _frame_keepers():
+    """Functions that take a frame and hand back only names, or clear it: code object ->
+    the globals it must run with (the same code under other globals could pass the frame on)."""
+
+    def of(*functions):
+        return {f.__code__: f.__globals__ for f in functions}
+
+    return (
+        of(
+            collections.namedtuple,
+            typing._caller,  # type: ignore[attr-defined]
+            vars(enum.EnumType)["_create_"],
+        ),
+        of(traceback.clear_frames),
+        (of(logging.currentframe), of(logging.Logger.findCaller)),
+    )
+
+
+def audit(*, pytest=False):
+    """Install the hook; the list it appends refused event names to. ``pytest``: only what
+    pytest itself never needs (object walks, ctypes, /proc, further hooks)."""
+    refused = []
+    getters, attr_readers, (currentframe, find_caller) = _frame_keepers()
+    inside = set()  # threads now in the hook (its own frame look-ups are let through)
+    getframe, realpath, ident = sys._getframe, os.path.realpath, _thread.get_ident
+
+    def caller_is(keepers, depth):
+        frame = getframe(depth)
+        return frame is not None and keepers.get(frame.f_code) is frame.f_globals
+
+    def allowed(event, args):
+        if event.startswith("ctypes."):
+            return False
+        if event == "open":
+            path = args[0]
+            if isinstance(path, bytes):
+                path = os.fsdecode(path)
+            return not (isinstance(path, str) and realpath(path).startswith("/proc/"))
+        if event in (_PYTEST_EVENTS if pytest else _EVENTS) or event == "sys.addaudithook":
+            return False
+        if pytest:
+            return True
+        # Depth 3: the frame that called sys._getframe or read the attribute.
+        if event == "sys._getframe":
+            if caller_is(getters, 3):
+                return True
+            return caller_is(currentframe, 3) and caller_is(find_caller, 4)
+        if event == "object.__getattr__" and args[1] in _FRAME_ATTRS:
+            return caller_is(attr_readers, 3)
+        return True
+
+    def hook(event, args):
+        me = ident()
+        if me in inside:
+            return
+        inside.add(me)
+        try:
+            ok = allowed(event, args)
+        finally:
+            inside.discard(me)
+        if not ok:
+            refused.append(event if event != "object.__getattr__" else args[1])
+            raise Refused(f"legorl grading refuses {event}")
+
+    sys.addaudithook(hook)
+    return refused
+
+
+class _Result(unittest.TestResult):
+    """Records failures without formatting them (formatting walks the traceback's frames)."""
+
+    def _exc_info_to_string(self, err, test):
+        return f"{err[0].__name__}: {err[1]}"[:300]
+
+
 def _module_for(repo, path):
     """Import the test file as pytest's append mode would: its package root joins sys.path."""
     full = os.path.join(repo, path)
@@ -210,7 +328,7 @@ def _call_plain(module, parts):
     cls = namespace[parts[0]]
     if isinstance(cls, type) and issubclass(cls, unittest.TestCase):
         # A suite runs the class and module fixtures (setUpClass, setUpModule) as well.
-        result = unittest.TestResult()
+        result = _Result()
         unittest.TestSuite([cls(parts[1])]).run(result)
         if result.errors:
             return "error"
@@ -249,8 +367,17 @@ def _twin_module(module, full, twin):
     return again
 
 
-def run_one(nodeid, repo, twin):
+def run_one(nodeid, repo, twin, refused=()):
     """The record of one test: outcome, and for a pass the twin's count of vacuous checks."""
+    before = len(refused)
+    record = _run_one(nodeid, repo, twin)
+    if len(refused) > before:
+        needed = ", ".join(sorted(set(refused[before:])))
+        return {**record, "outcome": "refused", "detail": f"the test needed {needed}"}
+    return record
+
+
+def _run_one(nodeid, repo, twin):
     path, *parts = nodeid.split("::")
     record = {"event": "plain", "nodeid": nodeid}
     if "[" in nodeid:
@@ -260,8 +387,8 @@ def run_one(nodeid, repo, twin):
         target = module
         for part in parts:
             target = getattr(target, part)
-    except Exception:
-        return {**record, "outcome": "error", "detail": traceback.format_exc(limit=2)[-300:]}
+    except Exception as exc:
+        return {**record, "outcome": "error", "detail": f"{type(exc).__name__}: {exc}"[:300]}
     why = _why_uncovered(nodeid, repo, module, target) if parts else "no test named"
     if why:
         return {**record, "outcome": "uncovered", "detail": why}
@@ -277,9 +404,9 @@ def run_one(nodeid, repo, twin):
     return record
 
 
-def run(nodeids, emit, *, repo, twin):
+def run(nodeids, emit, *, repo, twin, refused=()):
     emit({"event": "start"})
     for nodeid in nodeids:
-        emit(run_one(nodeid, repo, twin))
+        emit(run_one(nodeid, repo, twin, refused))
     emit({"event": "finish", "exitstatus": 0})
     return 0

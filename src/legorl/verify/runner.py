@@ -10,7 +10,9 @@ root, the plugin looked up by name), ``stream`` (off: records go to a report fil
 afterwards), ``integrity`` (the guard's ``tampered`` records), ``exit_code`` (the sandbox's real
 exit code against the outcomes and the signed finish), ``differential`` (FAIL_TO_PASS passed by
 pytest must pass in the independent runner), ``twin`` (a FAIL_TO_PASS test whose comparisons also
-hold against an impossible value gets ``always_equal``).
+hold against an impossible value gets ``always_equal``), ``audit`` (the independent runner's audit hook
+that keeps the signer out of the test code's reach, `plainrun.audit`), ``audit_pytest`` (the
+narrower one in the pytest run).
 """
 
 from __future__ import annotations
@@ -29,7 +31,16 @@ from legorl.verify.scans import constant_comparisons, runner_tamper_suspects
 
 HERE = Path(__file__).resolve().parent
 DEFENCES = frozenset(
-    {"isolated_runner", "stream", "integrity", "exit_code", "differential", "twin"}
+    {
+        "isolated_runner",
+        "stream",
+        "integrity",
+        "exit_code",
+        "differential",
+        "twin",
+        "audit",
+        "audit_pytest",
+    }
 )
 _EXTRA = ["-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", "."]
 
@@ -53,6 +64,7 @@ def _test_command(
     if "isolated_runner" in off:
         return shlex.join(["python", "-m", "pytest", "-p", "legorl_pytest_report", *_EXTRA, *args])
     options = [*options, *(["--no-integrity"] if "integrity" in off else [])]
+    options += ["--no-audit"] if "audit_pytest" in off else []
     tail = [*_EXTRA, "--import-mode=append", *args]
     return shlex.join(["python", "-I", "-B", boot, "pytest", sink, *options, "--", *tail])
 
@@ -132,6 +144,7 @@ async def _plain(
 ) -> dict[str, dict[str, Any]]:
     key = secrets.token_hex(16)
     options = ["--no-twin"] if "twin" in off else []
+    options += ["--no-audit"] if "audit" in off else []
     argv = ["python", "-I", "-B", boot, "plain", "fd", *options, "--", *task.FAIL_TO_PASS]
     run = await sandbox.exec(
         argv, timeout=timeout, cwd=sandbox.workdir, stdin=(key + "\n").encode()
@@ -183,7 +196,8 @@ def judge(
                 uncovered.append(test)
             elif "differential" not in off and record["outcome"] != "passed":
                 flags.add("runner_disagrees")
-                problems.append(f"{test}: {record['outcome']} in the independent runner")
+                why = f" ({record['detail']})" if record["outcome"] == "refused" else ""
+                problems.append(f"{test}: {record['outcome']} in the independent runner{why}")
             if "twin" not in off and record.get("vacuous"):
                 flags.add("always_equal")
                 problems.append(f"{test}: a comparison also holds against an impossible value")
