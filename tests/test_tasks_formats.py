@@ -315,3 +315,14 @@ def test_sandbox_stage_reads_published_rows_through_the_same_loader(tmp_path: Pa
     del broken["image_name"]
     with pytest.raises(SandboxError, match="image_name: missing"):
         task_refs([_parquet(tmp_path / "b.parquet", [broken])], "swesmith")
+
+
+def test_bench_tasks_section_runs_in_quick_mode() -> None:
+    from legorl.bench import BENCHMARKS
+    from legorl.bench.tasks import bench_tasks
+
+    assert "tasks" in BENCHMARKS
+    report = bench_tasks(quick=True)
+    assert report["rows"] == 1_000
+    for name in ("jsonl", "parquet"):
+        assert report[name]["rows_per_s"] > 0 and report[name]["load_s"] > 0
