@@ -326,3 +326,12 @@ def test_bench_tasks_section_runs_in_quick_mode() -> None:
     assert report["rows"] == 1_000
     for name in ("jsonl", "parquet"):
         assert report[name]["rows_per_s"] > 0 and report[name]["load_s"] > 0
+
+
+def test_check_tasks_takes_the_task_format(tmp_path: Path) -> None:
+    from legorl.check import check_tasks
+
+    path = str(_jsonl(tmp_path / "gym.jsonl", [SWEGYM_ROW]))
+    detected = check_tasks(path)
+    assert detected.status == "fail" and "environment_setup_commit: missing" in detected.reason
+    assert check_tasks(path, "swegym").status == "pass"
