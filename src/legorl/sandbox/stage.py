@@ -41,6 +41,8 @@ def task_refs(paths: Iterable[Path], task_format: str | None = None) -> dict[str
 
     out: dict[str, TaskRef] = {}
     for path in paths:
+        if not Path(path).exists():
+            raise SandboxError(f"--tasks {path}: no such file")
         try:
             for task in load_tasks(path, task_format=task_format):
                 out[task.instance_id] = TaskRef(task, Path(path).resolve().parent)
