@@ -266,7 +266,8 @@ def detect_format(columns: Iterable[str]) -> str:
 
 
 def _plain(value: Any) -> Any:
-    """Parquet timestamps as ISO text, so every field and meta value is JSON."""
+    """Parquet timestamps as ISO text, so every field and meta value is JSON (JSON rows have
+    none, so only the columnar readers pay for this walk)."""
     if isinstance(value, _dt.date):
         return value.isoformat()
     if isinstance(value, dict):
@@ -313,7 +314,7 @@ def _read_rows(path: Path) -> Iterator[tuple[str, Any]]:
                 f"{path}: reading Parquet needs pyarrow (pip install pyarrow)"
             ) from None
         for i, row in enumerate(pq.read_table(path).to_pylist()):
-            yield f"{path}[{i}]", row
+            yield f"{path}[{i}]", _plain(row)
     else:
         raise TaskError(
             f"{path}: unknown task file type {suffix!r} "
@@ -336,7 +337,7 @@ def _read_dataset_dir(path: Path) -> Iterator[tuple[str, Any]]:
     for split, table in splits:
         name = f"{path}/{split}" if split else str(path)
         for i, row in enumerate(table):
-            yield f"{name}[{i}]", row
+            yield f"{name}[{i}]", _plain(row)
 
 
 def load_tasks(
@@ -386,7 +387,7 @@ def load_tasks(
             kept.update(dict.fromkeys(extra))
             fields["meta"] = {**(row.get("meta") or {}), **extra, "task_format": fmt.name}
             fields["schema"] = Task.SCHEMA
-            tasks.append(from_dict(_plain(fields), Task))
+            tasks.append(from_dict(fields, Task))
         except FieldError as exc:
             raise TaskError(f"{where}: instance {iid}: {exc}") from None
     if kept:
