@@ -23,6 +23,14 @@ Out = Annotated[
     Path | None,
     typer.Option("--out", "-o", help="Append records to this file instead of stdout."),
 ]
+TaskFormat = Annotated[
+    str | None,
+    typer.Option(
+        "--task-format",
+        help="Task set the rows come from: swebench | swegym | swesmith | r2egym | legorl "
+        "(default: detected from the columns).",
+    ),
+]
 SkipBad = Annotated[
     bool,
     typer.Option(

@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ._common import console, fail
+from ._common import TaskFormat, console, fail
 
 HELP = "Preflight validation of a run: model, template, engine, proxy, sandbox, tasks."
 
@@ -59,7 +59,10 @@ def check(
         list[str] | None,
         typer.Option(help="Extra API shape to probe: openai_chat | anthropic | responses."),
     ] = None,
-    tasks: Annotated[Path | None, typer.Option("--tasks", "-t", help="Task file.")] = None,
+    tasks: Annotated[
+        Path | None, typer.Option("--tasks", "-t", help="Task file or datasets folder.")
+    ] = None,
+    task_format: TaskFormat = None,
     sandbox: Annotated[
         str | None, typer.Option(help="local | docker | none (default local).")
     ] = None,
@@ -95,6 +98,7 @@ def check(
             "harnesses": harness or None,
             "apis": api or None,
             "tasks": str(tasks) if tasks else None,
+            "task_format": task_format,
             "sandbox": sandbox,
             "docker_host": docker_host,
             "images": image or None,

@@ -14,15 +14,19 @@ from typing import Annotated, Any
 
 import typer
 
-from ._common import console, fail, key_values
+from ._common import TaskFormat, console, fail, key_values
 
 HELP = "Run a harness on tasks in sandboxes through the proxy; writes trajectories."
 
 
 def rollout(
     tasks: Annotated[
-        Path, typer.Option("--tasks", "-t", help="Task file: .jsonl, .json or .parquet.")
+        Path,
+        typer.Option(
+            "--tasks", "-t", help="Task file (.jsonl, .json, .parquet) or datasets folder."
+        ),
     ],
+    task_format: TaskFormat = None,
     harness: Annotated[
         str, typer.Option(help="mini | claude-code | opencode | openhands-sdk")
     ] = "mini",
@@ -78,9 +82,9 @@ def rollout(
     from legorl.tasks import TaskError, load_tasks
 
     try:
-        task_list = load_tasks(tasks)
+        task_list = load_tasks(tasks, task_format=task_format)
     except TaskError as exc:
-        fail("rollout", str(exc))
+        fail("rollout", str(exc), 2)
     if (proxy is None) == (model is None):
         fail("rollout", "give --model (in-process proxy) or --proxy URL with --proxy-turns", 2)
     if proxy is not None and proxy_turns is None:

@@ -18,7 +18,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ._common import console, fail
+from ._common import TaskFormat, console, fail
 
 HELP = "Build, list and clean the layered sandbox image cache; run a command in a sandbox."
 
@@ -27,7 +27,9 @@ app = typer.Typer(help=HELP, no_args_is_help=True, add_completion=False)
 Backend = Annotated[str, typer.Option("--backend", "-b", help="docker | local (bubblewrap).")]
 TasksOpt = Annotated[
     list[Path],
-    typer.Option("--tasks", "-t", help="Task JSONL file (repeatable).", show_default=False),
+    typer.Option(
+        "--tasks", "-t", help="Task file or datasets folder (repeatable).", show_default=False
+    ),
 ]
 Level = Annotated[
     str,
@@ -53,21 +55,22 @@ def _backend(cmd: str, name: str, *, build: bool = True) -> Any:
         fail(cmd, str(err), 2)
 
 
-def _tasks(cmd: str, paths: list[Path]) -> dict[str, Any]:
+def _tasks(cmd: str, paths: list[Path], task_format: str | None) -> dict[str, Any]:
     from legorl.protocols import SandboxError
-    from legorl.sandbox.stage import load_tasks
+    from legorl.sandbox.stage import task_refs
 
     if not paths:
         fail(cmd, "--tasks FILE is required", 2)
     try:
-        return load_tasks(paths)
+        return task_refs(paths, task_format)
     except SandboxError as err:
-        fail(cmd, str(err))
+        fail(cmd, str(err), 2)
 
 
 @app.command()
 def build(
     tasks: TasksOpt,
+    task_format: TaskFormat = None,
     task: Annotated[
         list[str] | None, typer.Option("--task", help="Only this instance id (repeatable).")
     ] = None,
@@ -83,7 +86,7 @@ def build(
     from legorl.protocols import SandboxError
     from legorl.sandbox import stage
 
-    refs = _tasks("sandbox build", tasks)
+    refs = _tasks("sandbox build", tasks, task_format)
     try:
         chosen = [stage.find_task(refs, i, tasks) for i in task] if task else list(refs.values())
         back = _backend("sandbox build", backend)
@@ -126,6 +129,7 @@ def exec_(
     ctx: typer.Context,
     task_id: Annotated[str, typer.Argument(help="Instance id of the task.", show_default=False)],
     tasks: TasksOpt,
+    task_format: TaskFormat = None,
     backend: Backend = "docker",
     no_build: NoBuild = False,
     timeout: Annotated[
@@ -154,7 +158,7 @@ def exec_(
         cmd = cmd[1:]
     if not cmd:
         fail("sandbox exec", "no command given: legorl sandbox exec TASK --tasks FILE -- CMD…", 2)
-    refs = _tasks("sandbox exec", tasks)
+    refs = _tasks("sandbox exec", tasks, task_format)
     limits = Limits(
         cpus=cpus,
         memory_mb=memory_mb,

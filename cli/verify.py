@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from ._common import Inputs, Out, SkipBad, console, fail, iter_inputs
+from ._common import Inputs, Out, SkipBad, TaskFormat, console, fail, iter_inputs
 
 HELP = "Grade trajectories' patches in a fresh sandbox; adds reward, verdict and hack flags."
 
@@ -22,6 +22,7 @@ def verify(
     tasks: Annotated[
         Path, typer.Option("--tasks", "-t", help="The task file the trajectories ran on.")
     ],
+    task_format: TaskFormat = None,
     inputs: Inputs = None,
     sandbox: Annotated[str, typer.Option(help="docker | local")] = "docker",
     concurrency: Annotated[int, typer.Option("--concurrency", "-c", help="Gradings at once.")] = 4,
@@ -43,9 +44,9 @@ def verify(
     from legorl.verify import verify as grade_all
 
     try:
-        by_id = {t.instance_id: t for t in load_tasks(tasks)}
+        by_id = {t.instance_id: t for t in load_tasks(tasks, task_format=task_format)}
     except TaskError as exc:
-        fail("verify", str(exc))
+        fail("verify", str(exc), 2)
     try:
         backend = make_backend(sandbox)
     except (ValueError, TypeError, SandboxError) as exc:

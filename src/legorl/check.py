@@ -113,7 +113,8 @@ class RunConfig:
     trainer_dtype: str = "float32"
     harnesses: list[str] = field(default_factory=lambda: ["mini"])
     apis: list[str] = field(default_factory=list)  # API shapes to probe besides the harnesses'
-    tasks: str | None = None  # task file (.jsonl, .json, .parquet)
+    tasks: str | None = None  # task file (.jsonl, .json, .parquet) or datasets folder
+    task_format: str | None = None  # legorl.tasks.FORMATS key; None: detected from the columns
     sandbox: str = "local"  # local | docker
     docker_host: str | None = None  # None: DOCKER_HOST or the default socket
     images: list[str] = field(default_factory=list)  # Docker images the run needs present
@@ -679,7 +680,7 @@ async def check_fidelity(config: RunConfig, engine: Any, tokens: int = 64) -> Ch
 # --------------------------------------------------------------------------------------------
 
 
-def check_tasks(tasks: str | None) -> CheckResult:
+def check_tasks(tasks: str | None, task_format: str | None = None) -> CheckResult:
     from legorl.tasks import TaskError, load_tasks
 
     name = "tasks"
@@ -690,7 +691,7 @@ def check_tasks(tasks: str | None) -> CheckResult:
         "(instance_id, repo, base_commit, problem_statement, test_patch, FAIL_TO_PASS, …)"
     )
     try:
-        loaded = load_tasks(tasks)
+        loaded = load_tasks(tasks, task_format=task_format)
     except TaskError as exc:
         return _fail(name, str(exc), fix)
     if not loaded:
@@ -779,6 +780,7 @@ def check_sandbox(
     docker_host: str | None = None,
     images: list[str] | None = None,
     tasks: str | None = None,
+    task_format: str | None = None,
 ) -> CheckResult:
     name = f"sandbox: {backend}"
     if backend == "none":
@@ -796,10 +798,12 @@ def check_sandbox(
         return _fail(
             name, f"unknown sandbox backend {backend!r}", f"use one of {', '.join(SANDBOXES)}"
         )
-    return check_docker(docker_host=docker_host, images=images or [], tasks=tasks)
+    return check_docker(
+        docker_host=docker_host, images=images or [], tasks=tasks, task_format=task_format
+    )
 
 
-def _task_layers(tasks: str | None) -> tuple[list[Any], str]:
+def _task_layers(tasks: str | None, task_format: str | None = None) -> tuple[list[Any], str]:
     """The image layers the tasks' sandboxes stand on (``legorl.sandbox.layers.plan``), unique
     and bottom first; empty with a note when they cannot be planned."""
     if not tasks:
@@ -809,7 +813,7 @@ def _task_layers(tasks: str | None) -> tuple[list[Any], str]:
         from legorl.tasks import load_tasks
 
         layers: dict[str, Any] = {}
-        for task in load_tasks(tasks):
+        for task in load_tasks(tasks, task_format=task_format, notice=lambda _line: None):
             for layer in plan(task):
                 layers.setdefault(layer.tag, layer)
     except ImportError:
@@ -820,7 +824,11 @@ def _task_layers(tasks: str | None) -> tuple[list[Any], str]:
 
 
 def check_docker(
-    *, docker_host: str | None = None, images: list[str], tasks: str | None = None
+    *,
+    docker_host: str | None = None,
+    images: list[str],
+    tasks: str | None = None,
+    task_format: str | None = None,
 ) -> CheckResult:
     """Ping the daemon with the Docker SDK, look each configured image up, and, given tasks,
     see which of their sandbox layers (base → env → instance) are present or can be built."""
@@ -844,7 +852,7 @@ def check_docker(
         client.ping()
     except Exception as exc:
         return _fail(name, f"cannot reach the Docker daemon at {where}: {_short(exc, 200)}", fix)
-    layers, note = _task_layers(tasks)
+    layers, note = _task_layers(tasks, task_format)
 
     def present(tag: str) -> bool:
         try:
@@ -941,7 +949,7 @@ def run_checks(
         add(_skip("proxy", "needs the model"))
         if dry_run:
             add(_skip("fidelity", "needs the model"))
-    add(check_tasks(config.tasks))
+    add(check_tasks(config.tasks, config.task_format))
     for harness in config.harnesses:
         add(check_harness(harness, config.sandbox))
     add(
@@ -950,6 +958,7 @@ def run_checks(
             docker_host=config.docker_host,
             images=config.images,
             tasks=config.tasks,
+            task_format=config.task_format,
         )
     )
     add(check_disk(config.workdir, config.disk_budget_gb))

@@ -64,6 +64,12 @@ def _verify(args: argparse.Namespace) -> dict[str, Any]:
     return bench_verify(quick=args.quick)
 
 
+def _tasks(args: argparse.Namespace) -> dict[str, Any]:
+    from legorl.bench.tasks import bench_tasks
+
+    return bench_tasks(quick=args.quick)
+
+
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "records_io": _records_io,
     "proxy": _proxy,
@@ -71,6 +77,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "sandbox": _sandbox,
     "rollout": _rollout,
     "verify": _verify,
+    "tasks": _tasks,
     "train": _train,
 }
 

@@ -1,6 +1,6 @@
 """The sandbox stage's functions behind ``legorl sandbox build | exec | ls | gc``.
 
-    tasks = load_tasks([Path("fixtures/tasks/train.jsonl")])
+    tasks = task_refs([Path("fixtures/tasks/train.jsonl")])
     for report in build(tasks.values(), backend, level="instance"):
         print(report)
     result = asyncio.run(run_command(backend, tasks["legorl-toy__geometry-1"], ["pytest", "-q"]))
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from legorl.protocols import ExecResult, Limits, SandboxError
-from legorl.records import RecordError, Task, read_jsonl
+from legorl.records import Task
 from legorl.sandbox.common import cache_root, last_used
 from legorl.sandbox.docker_backend import DockerBackend, LayerReport
 from legorl.sandbox.layers import LEVELS, keep_up_to
@@ -35,17 +35,19 @@ class TaskRef:
     tasks_dir: Path  # the task file's folder: task.source is relative to it
 
 
-def load_tasks(paths: Iterable[Path]) -> dict[str, TaskRef]:
-    """Every task of the files, by instance id (a later file wins on a repeated id)."""
+def task_refs(paths: Iterable[Path], task_format: str | None = None) -> dict[str, TaskRef]:
+    """Every task of the files (``legorl.tasks.load_tasks``), by id; a later file wins."""
+    from legorl.tasks import TaskError, load_tasks
+
     out: dict[str, TaskRef] = {}
     for path in paths:
-        if not Path(path).is_file():
+        if not Path(path).exists():
             raise SandboxError(f"--tasks {path}: no such file")
         try:
-            for task in read_jsonl(path, Task):
+            for task in load_tasks(path, task_format=task_format):
                 out[task.instance_id] = TaskRef(task, Path(path).resolve().parent)
-        except RecordError as err:
-            raise SandboxError(str(err)) from None
+        except TaskError as err:
+            raise SandboxError(f"--tasks {err}") from None
     return out
 
 
