@@ -113,17 +113,11 @@ def start_proxy(folder: Path, *engine_opts: str) -> Proxy:
             cwd=ROOT,
             env={**os.environ, "COLUMNS": "400", "NO_COLOR": "1", "LEGORL_ADMIN_TOKEN": TOKEN},
         )
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        found = re.search(r"on (http://127\.0\.0\.1:\d+)", stderr.read_text())
-        if found:
-            break
-        if proc.poll() is not None:
-            pytest.fail(f"legorl proxy serve exited {proc.returncode}:\n{stderr.read_text()}")
-        time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail(f"legorl proxy serve did not start:\n{stderr.read_text()}")
+    try:
+        found = _wait_serving(proc, stderr)
+    except BaseException:
+        proc.kill()  # its guard ends the vLLM server it was starting
+        raise
     log = turns / "vllm-server.log"
     port = re.search(r"--port (\d+)", log.read_text())
     assert port, log.read_text()[:2000]
@@ -135,6 +129,18 @@ def start_proxy(folder: Path, *engine_opts: str) -> Proxy:
     ]
     assert len(guards) == 1, guards
     return Proxy(proc, found[1], turns, log, f"http://127.0.0.1:{port[1]}", guards[0])
+
+
+def _wait_serving(proc: subprocess.Popen[str], stderr: Path) -> re.Match[str]:
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        found = re.search(r"on (http://127\.0\.0\.1:\d+)", stderr.read_text())
+        if found:
+            return found
+        if proc.poll() is not None:
+            pytest.fail(f"legorl proxy serve exited {proc.returncode}:\n{stderr.read_text()}")
+        time.sleep(0.5)
+    pytest.fail(f"legorl proxy serve did not start:\n{stderr.read_text()}")
 
 
 def _reads(path: Path) -> str:
@@ -197,7 +203,6 @@ def test_a_server_not_healthy_in_time_fails_with_its_log_and_leaves_nothing(
     from legorl.engines.vllm_server import VllmLaunchError
 
     log = tmp_path / "vllm.log"
-    before = set(_vllm_pids())
     with pytest.raises(VllmLaunchError) as caught:
         make_engine(
             "vllm",
@@ -210,18 +215,14 @@ def test_a_server_not_healthy_in_time_fails_with_its_log_and_leaves_nothing(
     assert "not healthy within 3 s (startup_timeout_s)" in message
     assert f"the last lines of {log}:" in message
     assert "legorl: " in message and "vllm.entrypoints.openai.api_server" in message
+    # the guard says which process group it ended; nothing of it is left
     deadline = time.monotonic() + 15
-    while set(_vllm_pids()) - before and time.monotonic() < deadline:
+    while "ending process group" not in log.read_text() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not set(_vllm_pids()) - before  # the whole process group is gone
-
-
-def _vllm_pids() -> list[int]:
-    return [
-        int(p.parent.name)
-        for p in Path("/proc").glob("[0-9]*/cmdline")
-        if "vllm.entrypoints.openai.api_server" in _reads(p) and str(MODEL) in _reads(p)
-    ]
+    group = int(re.findall(r"ending process group (\d+)", log.read_text())[-1])
+    while group_pids(group) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert group_pids(group) == []
 
 
 # ---- the three APIs, streamed and not ------------------------------------------------------------

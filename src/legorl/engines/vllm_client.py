@@ -172,9 +172,9 @@ class VllmEngine:
                 "logprobs_mode (it is read from the server) or restart the server to match"
             )
         reload = config.weight_reload or ("collective_rpc" if dev else "none")
-        settled: LogprobsMode = claimed or ("processed_logprobs" if mode else "raw_logprobs")
-        if mode == "raw_logprobs":
-            settled = "raw_logprobs"
+        settled: LogprobsMode = claimed or (
+            "processed_logprobs" if mode == "processed_logprobs" else "raw_logprobs"
+        )
         return dataclasses.replace(config, logprobs_mode=settled, weight_reload=reload)
 
     def _server_logprobs_mode(self, timeout: float) -> tuple[str | None, bool]:
