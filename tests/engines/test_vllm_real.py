@@ -233,8 +233,36 @@ PROMPT = (
 )
 
 
+BASH_PARAMS = {
+    "type": "object",
+    "properties": {"command": {"type": "string"}},
+    "required": ["command"],
+}
+TOOLS = {  # a harness's main agent offers tools (a call without any is an auxiliary one)
+    "openai_chat": [
+        {
+            "type": "function",
+            "function": {
+                "name": "bash",
+                "description": "Run a command.",
+                "parameters": BASH_PARAMS,
+            },
+        }
+    ],
+    "anthropic": [{"name": "bash", "description": "Run a command.", "input_schema": BASH_PARAMS}],
+    "responses": [
+        {
+            "type": "function",
+            "name": "bash",
+            "description": "Run a command.",
+            "parameters": BASH_PARAMS,
+        }
+    ],
+}
+
+
 def body(api: str, temperature: float, stream: bool, max_tokens: int, text: str = PROMPT) -> dict:
-    common = {"model": "policy", "temperature": temperature, "stream": stream}
+    common = {"model": "policy", "temperature": temperature, "stream": stream, "tools": TOOLS[api]}
     if api == "responses":
         return {**common, "input": text, "max_output_tokens": max_tokens}
     return {**common, "max_tokens": max_tokens, "messages": [{"role": "user", "content": text}]}
@@ -296,6 +324,7 @@ def align_check(graded: Path, model: Path, temperature: float, min_corr: float) 
         str(summary),
         "--device",
         "cpu",
+        "--include-aux",
     )
     report = json.loads(summary.read_text())["check"] if summary.exists() else {}
     report["returncode"] = done.returncode
@@ -363,8 +392,9 @@ def test_seeded_requests_survive_long_prompts(fp32: Proxy) -> None:
     for t in threads:
         t.join(300)
     assert results == [200] * 4
-    prompt = sum(len(t.prompt_delta) for t in fp32.session("seeded-0"))
-    assert prompt > 1200
+    # together over vLLM's 2048-token batch: with chunked prefill they would be split
+    prompts = [sum(len(t.prompt_delta) for t in fp32.session(f"seeded-{k}")) for k in range(4)]
+    assert sum(prompts) > 2048, prompts
     assert httpx.get(f"{fp32.vllm_url}/health", timeout=10).status_code == 200
 
 
@@ -385,13 +415,23 @@ def last_turn_gap(proxy: Proxy, session: str, model: Path) -> float:
 
 
 def go_on(proxy: Proxy, session: str, request: dict, answer: str) -> tuple[dict, str]:
-    """The next request of an OpenAI Chat session: the history, the answer, one more ask."""
+    """The next request of an OpenAI Chat session, as a harness sends it: the history, the
+    answer (with its tool calls and their results), one more ask."""
     message = json.loads(answer)["choices"][0]["message"]
+    assistant: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
+    results = []
+    if message.get("tool_calls"):
+        assistant["tool_calls"] = message["tool_calls"]
+        results = [
+            {"role": "tool", "tool_call_id": call["id"], "content": "ok"}
+            for call in message["tool_calls"]
+        ]
     follow = {
         **request,
         "messages": [
             *request["messages"],
-            {"role": "assistant", "content": message["content"]},
+            assistant,
+            *results,
             {"role": "user", "content": "Go on."},
         ],
     }
@@ -436,6 +476,19 @@ def test_weight_sync_after_a_train_step(fp32: Proxy, tmp_path: Path) -> None:
     trajectories(fp32, ["sync-new"], after, [1.0])
     with_new = align_check(after, ckpt, 1.0, 0.999)
     assert with_new["returncode"] == 0 and with_new["pearson"] >= 0.999, with_new
+
+    # The sync on its own, as the proxy's reload route does it (drain, reload, reset, bump).
+    started = time.monotonic()
+    pushed = httpx.post(
+        f"{fp32.url}/admin/weights",
+        json={"path": str(ckpt)},
+        headers={"authorization": f"Bearer {TOKEN}"},
+        timeout=300,
+    )
+    assert pushed.status_code == 200 and pushed.json()["policy_version"] == 2, pushed.text
+    print(
+        f"\nvLLM weight sync (full reload + prefix-cache reset): {time.monotonic() - started:.2f} s"
+    )
 
     # The control: the same reload without /reset_prefix_cache (straight to vLLM, back to the
     # original weights) leaves the cached prefix's K/V from ckpt1, and the mismatch shows.
@@ -498,18 +551,24 @@ def test_the_vllm_process_dying_mid_run(bf16: Proxy, tmp_path: Path) -> None:
         t.join(120)
     assert not any(t.is_alive() for t in threads)  # nothing hangs
     assert len(results) == 6, results
+    cut = 0
     for key, response in results.items():
-        if response.status_code == 200:  # the stream had started: the API's own error event
-            assert key.endswith("True"), (key, response.text[-400:])
-            assert "engine error" in response.text[-600:], (key, response.text[-600:])
+        recorded = (bf16.turns / f"dying-{key}.jsonl").exists()
+        text = response.text[-600:]
+        if response.status_code == 200 and "engine error" not in text:
+            assert recorded, (key, text)  # it finished before the kill: its Turn is whole
+        elif response.status_code == 200:  # the stream had started: the API's own error event
+            assert key.endswith("True") and not recorded, (key, text)
+            cut += 1
         else:
             assert response.status_code == 503, (key, response.text)
-            assert "engine error" in response.text and "vLLM" in response.text, response.text
+            assert "engine error" in text and "vLLM" in text and not recorded, text
+            cut += 1
+    assert cut >= 1  # some calls were in flight when vLLM died
     # a new call gets an API-shaped 503 at once, not a hang
     after = bf16.call("after-death", "anthropic", body("anthropic", 1.0, False, 8))
     assert after.status_code == 503 and after.json()["type"] == "error", after.text
     assert (bf16.turns / "before-death.jsonl").read_bytes() == written  # nothing written is lost
-    assert not (bf16.turns / "dying-openai_chat-False.jsonl").exists()  # no half Turn recorded
 
 
 def test_kill_9_of_legorl_leaves_no_vllm_process(fp32: Proxy) -> None:
@@ -521,6 +580,4 @@ def test_kill_9_of_legorl_leaves_no_vllm_process(fp32: Proxy) -> None:
     while group_pids(fp32.guard_pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert group_pids(fp32.guard_pid) == []
-    assert "the legorl process" in fp32.log.read_text().splitlines()[-1] or "legorl guard" in (
-        fp32.log.read_text()
-    )
+    assert "legorl guard: the legorl process" in fp32.log.read_text()

