@@ -496,6 +496,7 @@ def test_weight_sync_after_a_train_step(fp32: Proxy, tmp_path: Path) -> None:
 
     # The control: the same reload without /reset_prefix_cache (straight to vLLM, back to the
     # original weights) leaves the cached prefix's K/V from ckpt1, and the mismatch shows.
+    request, answer = go_on(fp32, "sync-cached", request, answer)  # cached under ckpt1 again
     reload = {"method": "reload_weights", "kwargs": {"weights_path": str(MODEL)}}
     done = httpx.post(f"{fp32.vllm_url}/collective_rpc", json=reload, timeout=120)
     assert done.status_code == 200, done.text
