@@ -85,3 +85,10 @@ def key_values(command: str, flag: str, pairs: list[str] | None) -> dict[str, An
         except json.JSONDecodeError:
             out[key] = value
     return out
+
+
+def engine_log_beside(engine: str, opts: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """A vLLM server that legorl launches writes its log into ``folder`` (unless told where)."""
+    if engine == "vllm" and "base_url" not in opts:
+        opts.setdefault("log_path", str(folder / "vllm-server.log"))
+    return opts

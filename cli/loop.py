@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 
-from ._common import console, fail
+from ._common import console, fail, key_values
 
 if TYPE_CHECKING:
     from legorl.loop import LoopResult
@@ -93,6 +93,13 @@ def loop(
     ] = None,
     timeout: Annotated[float, typer.Option(help="Seconds per harness run.")] = 300.0,
     device: Annotated[str, typer.Option(help="Engine device: auto, cpu, cuda, …")] = "auto",
+    engine: Annotated[
+        str, typer.Option(help="embedded | vllm (launched by legorl, or --engine-opt base_url=…).")
+    ] = "embedded",
+    engine_opt: Annotated[
+        list[str] | None,
+        typer.Option("--engine-opt", help="vllm engine KEY=VALUE, e.g. dtype=bfloat16."),
+    ] = None,
 ) -> None:
     """Rollout → verify → align → train, ITERATIONS times, with held-out evaluation."""
     from legorl.loop import LoopConfig, LoopConfigError, LoopError, run_loop
@@ -121,6 +128,8 @@ def loop(
         train_overrides=list(overrides or []),
         timeout=timeout,
         device=device,
+        engine=engine,
+        engine_options=key_values("loop", "--engine-opt", engine_opt),
     )
     try:
         config.validate()

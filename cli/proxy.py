@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ._common import console, fail, key_values
+from ._common import console, engine_log_beside, fail, key_values
 
 HELP = "Token-faithful LLM proxy: serve the engine, or intercept harness traffic."
 
@@ -62,16 +62,20 @@ def _build(
     registered_only: bool,
 ):
     from legorl.engines import ENGINES, make_engine
+    from legorl.protocols import EngineError
     from legorl.proxy.core import ProxyConfig, ProxyCore
 
     if engine not in ENGINES:
         fail("proxy", f"--engine {engine!r}: unknown engine (one of {', '.join(ENGINES)})", 2)
     if not (model / "tokenizer.json").is_file():
         fail("proxy", f"--model {model}: not a model folder (no tokenizer.json)", 2)
+    engine_log_beside(engine, engine_opts, out or Path.cwd())
     try:
         eng = make_engine(engine, model_path=str(model), **engine_opts)
     except (TypeError, ValueError, FileNotFoundError) as exc:
         fail("proxy", f"--engine {engine}: {exc}", 2)
+    except EngineError as exc:  # e.g. a vLLM server that legorl could not start
+        fail("proxy", f"--engine {engine}: {exc}")
     config = ProxyConfig(
         model=model,
         served_name=served_name,

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ._common import TaskFormat, console, fail, key_values
+from ._common import TaskFormat, console, engine_log_beside, fail, key_values
 
 HELP = "Run a harness on tasks in sandboxes through the proxy; writes trajectories."
 
@@ -74,7 +74,7 @@ def rollout(
 
     from legorl.harnesses import make_harness
     from legorl.monitors import Monitor, MonitorStop
-    from legorl.protocols import Limits, SandboxError
+    from legorl.protocols import EngineError, Limits, SandboxError
     from legorl.records import JsonlWriter
     from legorl.rollout import Progress, SessionOpenError, finished_ids, plan_runs, remote_proxy
     from legorl.rollout import rollout as run_all
@@ -165,10 +165,13 @@ def rollout(
             opts = key_values("rollout", "--engine-opt", engine_opt)
             if script is not None:
                 opts["script"] = str(script)
+            engine_log_beside(engine, opts, refs_base)
             try:
                 eng = make_engine(engine, model_path=str(model), **opts)
             except (ValueError, TypeError, FileNotFoundError) as exc:
                 fail("rollout", f"--engine {engine}: {exc}", 2)
+            except EngineError as exc:  # e.g. a vLLM server that legorl could not start
+                fail("rollout", f"--engine {engine}: {exc}")
             try:
                 async with inprocess_proxy(model, eng, turns) as (endpoint, core):
                     await consume(endpoint, served_model or core.served_name)

@@ -14,6 +14,8 @@ The checks, in order (a check whose prerequisite failed is reported as ``skip``)
 * ``model``: the folder has a config, a tokenizer, a chat template and readable weights.
 * ``template``: a conversation with tool calls renders, tokenises, decodes and parses back into
   the same calls and text (the proxy's own parser), and renders are prefix-stable.
+* ``vllm`` (engine vllm): the server at ``base_url`` answers and says whether it reloads
+  weights; or, when legorl launches it, a Python with vLLM is there and can serve the model.
 * ``engine``: the engine loads the model and samples a few tokens with finite log-probs.
 * ``proxy: API``: an in-process proxy answers each API shape the configured harnesses speak
   (OpenAI Chat, Anthropic Messages, Responses), streaming where the harness streams, and
@@ -401,8 +403,10 @@ def check_template(model: str) -> CheckResult:
 
 def _engine_options(config: RunConfig) -> dict[str, Any]:
     opts = dict(config.engine_options)
-    if config.engine in ("embedded", "forced"):
+    if config.engine in ("embedded", "forced", "vllm"):
         opts.setdefault("model_path", config.model)
+    if config.engine == "vllm" and "base_url" not in opts:
+        opts.setdefault("log_path", str(Path(config.workdir) / "check-vllm-server.log"))
     if config.engine == "forced":
         opts.setdefault("script", [{"text": "Hello from legorl check.", "repeat": True}])
     return opts
@@ -965,7 +969,62 @@ def run_checks(
     return results
 
 
+def check_vllm(config: RunConfig) -> CheckResult:
+    """The vllm engine's own preconditions, before it starts: a server at ``base_url`` answers
+    (and whether it can reload weights), or a Python with vLLM is there to launch one, and this
+    vLLM build can serve the model."""
+    from legorl.engines.vllm_server import check_servable, find_vllm_python
+    from legorl.protocols import EngineError
+
+    name = "vllm"
+    opts = config.engine_options
+    base_url = opts.get("base_url")
+    if base_url:
+        import httpx
+
+        url = str(base_url).rstrip("/")
+        fix = "start the server (see docs/vllm.md), or drop base_url and let legorl launch one"
+        try:
+            models = httpx.get(f"{url}/v1/models", timeout=30)
+            models.raise_for_status()
+            cards = models.json().get("data") or []
+            dev = httpx.get(f"{url}/server_info", timeout=30).status_code == 200
+        except (httpx.HTTPError, ValueError) as exc:
+            return _fail(name, f"no vLLM server at {url}: {_short(exc)}", fix)
+        served = ", ".join(f"{c.get('id')} ({c.get('max_model_len')} tokens)" for c in cards)
+        reload = (
+            "dev mode on: weights reload in place"
+            if dev
+            else "dev mode off: no weight reload (start it with VLLM_SERVER_DEV_MODE=1)"
+        )
+        return _pass(name, f"{url} serves {served or 'nothing'}; {reload}")
+    try:
+        python, info = find_vllm_python(opts.get("python"))
+        check_servable(opts.get("model_path") or config.model, info.get("dist"))
+    except EngineError as exc:
+        return _fail(
+            name,
+            _short(exc),
+            "install vLLM in a venv and pass --engine-opt python=…/bin/python (or "
+            "LEGORL_VLLM_PYTHON), or use base_url=… of a running server",
+        )
+    return _pass(
+        name,
+        f"{info.get('dist')} {info.get('version')} at {python}; legorl launches it on the model "
+        "(processed_logprobs, dev-mode reloads, bounded KV cache, 127.0.0.1)",
+    )
+
+
 async def _engine_checks(config: RunConfig, dry_run: bool, add: Callable[..., None]) -> None:
+    if config.engine == "vllm":
+        row = check_vllm(config)
+        add(row)
+        if not row.ok:
+            add(_skip("engine", "needs vllm"))
+            add(_skip("proxy", "needs the engine"))
+            if dry_run:
+                add(_skip("fidelity", "needs the engine"))
+            return
     result, engine = await check_engine(config)
     add(result)
     if engine is None:
@@ -996,6 +1055,7 @@ __all__ = [
     "check_sandbox",
     "check_tasks",
     "check_template",
+    "check_vllm",
     "config_from_dict",
     "load_config",
     "run_checks",

@@ -74,7 +74,7 @@ _LOOP_OWNED = {
     "scale_only": "scale_only",
 }
 #: Options that may change between a run and its continuation; the others must not.
-_MAY_CHANGE = {"out", "iterations", "sandbox", "concurrency", "timeout", "device"}
+_MAY_CHANGE = {"out", "iterations", "sandbox", "concurrency", "timeout", "device", "engine_options"}
 _PATHS = {"model", "tasks_dir"}
 
 Log = Callable[[str], None]
@@ -171,6 +171,8 @@ class LoopConfig:
     train_overrides: list[str] = field(default_factory=list)  # TrainConfig key=value
     timeout: float = 300.0  # seconds per harness run
     device: str = "auto"  # the engine's: auto, cpu, cuda, cuda:1, …
+    engine: str = "embedded"  # embedded | vllm (a server legorl launches, or base_url=…)
+    engine_options: dict[str, Any] = field(default_factory=dict)  # make_engine options
 
     def __post_init__(self) -> None:
         self.model = checkout_path(self.model)
@@ -203,6 +205,12 @@ class LoopConfig:
         if self.sandbox not in SANDBOXES:
             known = ", ".join(sorted(SANDBOXES))
             raise LoopConfigError("sandbox", f"expected one of {known}, got {self.sandbox!r}")
+        if self.engine not in ("embedded", "vllm"):
+            raise LoopConfigError("engine", f"expected embedded or vllm, got {self.engine!r}")
+        if self.engine == "embedded" and self.engine_options:
+            raise LoopConfigError(
+                "engine_options", "the embedded engine takes --device, not --engine-opt"
+            )
         hint = {
             name: f"; {FIXTURES_HINT}"
             if Path(getattr(self, name)).parts[:1] == ("fixtures",)
@@ -656,7 +664,13 @@ class _Runner:
         except SandboxError as exc:
             raise LoopError(f"sandbox {c.sandbox}: {exc}") from None
         try:
-            engine = make_engine("embedded", model_path=str(self.model_path), device=device)
+            if c.engine == "embedded":
+                engine = make_engine("embedded", model_path=str(self.model_path), device=device)
+            else:  # vllm: reloads go through the server's weight-reload endpoints
+                options = {"log_path": str(self.out / "vllm-server.log"), **c.engine_options}
+                engine = await asyncio.to_thread(
+                    make_engine, c.engine, model_path=str(self.model_path), **options
+                )
         except Exception as exc:
             raise LoopError(f"engine: cannot load {self.model_path}: {exc}") from None
         # A continued loop starts the engine on the last checkpoint: its version is the one

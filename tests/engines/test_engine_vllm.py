@@ -1,10 +1,16 @@
 """The vllm engine against a FAKE vLLM server (tests/engines/fake_vllm.py) that answers in
-vLLM's documented response shapes; no vLLM runs here."""
+vLLM's documented response shapes, and the launch path's refusals when there is no vLLM; no vLLM
+runs here (tests/engines/test_vllm_real.py runs the real one)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from engine_refs import collect
@@ -114,14 +120,11 @@ async def test_load_weights(server: FakeVllm) -> None:
     assert await engine.load_weights("/ckpt/step-1") == 1
     assert in_flight.done() and len(in_flight.result()[0]) == 6  # finished first, not aborted
     rpc = server.bodies("/collective_rpc")
-    assert rpc == [
-        {"method": "update_config", "args": [{"model_config": {"model": "/ckpt/step-1"}}]},
-        {"method": "reload_weights"},
-    ]
+    assert rpc == [{"method": "reload_weights", "kwargs": {"weights_path": "/ckpt/step-1"}}]
     assert len(server.bodies("/reset_prefix_cache")) == 1
     # the order on the wire: the in-flight completion, then the reload calls
-    paths = [p for p, _ in server.requests if p != "/v1/models"]
-    assert paths == ["/v1/completions", "/collective_rpc", "/collective_rpc", "/reset_prefix_cache"]
+    paths = [p for p, _ in server.requests if p.split("?")[0] not in ("/v1/models", "/server_info")]
+    assert paths == ["/v1/completions", "/collective_rpc", "/reset_prefix_cache"]
     await engine.close()
     await plain.close()
 
@@ -129,3 +132,66 @@ async def test_load_weights(server: FakeVllm) -> None:
 def test_unreachable_server() -> None:
     with pytest.raises(EngineError, match="unreachable"):
         make_engine("vllm", base_url="http://127.0.0.1:9", timeout_s=2)
+
+
+# ---- launching: no vLLM where one must be launched (real subprocesses, no vLLM needed) -----------
+
+MODEL = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-agent"
+
+
+def test_no_vllm_to_launch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from legorl.engines.vllm_server import VllmLaunchError
+
+    # this test's own Python has no vllm: named as python=…, as $LEGORL_VLLM_PYTHON, on PATH
+    with pytest.raises(VllmLaunchError, match=r"--engine-opt python .*: cannot import vllm"):
+        make_engine("vllm", model_path=str(MODEL), python=sys.executable)
+    monkeypatch.setenv("LEGORL_VLLM_PYTHON", sys.executable)
+    with pytest.raises(VllmLaunchError, match=r"\$LEGORL_VLLM_PYTHON .*: cannot import vllm"):
+        make_engine("vllm", model_path=str(MODEL))
+    monkeypatch.setenv("LEGORL_VLLM_PYTHON", str(tmp_path / "nothing" / "python"))
+    with pytest.raises(VllmLaunchError, match="cannot run it"):
+        make_engine("vllm", model_path=str(MODEL))
+    monkeypatch.delenv("LEGORL_VLLM_PYTHON")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    with pytest.raises(VllmLaunchError, match=r"python3 on PATH .*: cannot import vllm"):
+        make_engine("vllm", model_path=str(MODEL))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(VllmLaunchError, match=r"no vLLM to launch: .*LEGORL_VLLM_PYTHON"):
+        make_engine("vllm", model_path=str(MODEL))
+
+
+def test_no_vllm_through_the_cli(tmp_path: Path) -> None:
+    env = {**os.environ, "COLUMNS": "300", "NO_COLOR": "1"}
+    common = ["--engine", "vllm", "--engine-opt", f"python={sys.executable}"]
+    for args in (
+        ["proxy", "serve", "--model", str(MODEL), *common, "--out", str(tmp_path / "t")],
+        ["check", "--model", str(MODEL), *common, "--sandbox", "none", "--json", "--exit-zero"],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "legorl.cli.main", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        if args[0] == "proxy":
+            assert done.returncode == 1, done.stderr
+            (line,) = [x for x in done.stderr.splitlines() if "error:" in x]
+            assert line.startswith("legorl proxy: error: --engine vllm: --engine-opt python")
+            assert "cannot import vllm" in line
+        else:
+            rows = {r["name"]: r for r in map(json.loads, done.stdout.splitlines())}
+            assert (
+                rows["vllm"]["status"] == "fail" and "cannot import vllm" in rows["vllm"]["reason"]
+            )
+            assert rows["engine"]["status"] == "skip"
+
+
+def test_connect_mode_needs_no_model_path_and_the_cli_passes_one(server: FakeVllm) -> None:
+    # the CLI passes model_path=--model to every engine; it once stopped here for vllm
+    engine = make_engine("vllm", base_url=server.url, model_path=str(MODEL))
+    assert engine.server is None and engine.config.logprobs_mode == "raw_logprobs"
+    assert engine.config.weight_reload == "none"  # no /server_info: not in dev mode

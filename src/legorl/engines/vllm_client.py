@@ -1,10 +1,13 @@
 """The ``vllm`` engine: a client of a vLLM OpenAI-compatible server, token ids in and out.
 
     engine = make_engine("vllm", base_url="http://gpu-host:8000")   # needs only httpx
+    engine = make_engine("vllm", model_path="fixtures/models/tiny-agent", python=".venv-vllm/bin/python")
 
 vLLM itself is an optional extra (``pip install legorl[vllm]``) and runs elsewhere, e.g.
 
-    vllm serve /ckpt/policy --served-model-name policy --logprobs-mode raw_logprobs
+    VLLM_SERVER_DEV_MODE=1 vllm serve /ckpt/policy --logprobs-mode processed_logprobs
+
+or legorl launches it (no ``base_url``; see docs/vllm.md).
 
 Each request is one ``POST /v1/completions`` with the prompt as a list of token ids and
 ``logprobs: 0`` (the sampled token's log-prob only), ``return_token_ids: true`` (the sampled ids
@@ -20,29 +23,37 @@ Which log-probs vLLM reports is a server setting, ``--logprobs-mode``:
   penalties and top-k/top-p. That equals legorl's contract, ``log_softmax(logits / T)`` before
   top-p, when T = 1 (any top-p), and greedy T = 0 (which legorl scores at T = 1).
 * ``processed_logprobs``: after temperature *and* top-k/top-p (then renormalised), so it meets
-  the contract when top_p = 1, at any T > 0.
+  the contract when top_p = 1, at any T > 0 (vLLM raises T below 0.01 to 0.01: refused), and at
+  T = 0 (greedy rows are divided by 1). A server legorl launches runs in this mode.
 
-Set ``logprobs_mode`` here to what the server runs with; a request the server cannot score
-faithfully under that mode fails with ``EngineError`` instead of recording wrong log-probs.
+Set ``logprobs_mode`` here to what the server runs with; unset, it is read from the server's
+``GET /server_info`` (dev mode), else taken as vLLM's default. A mode that contradicts the
+server's refuses to start, and a request the server cannot score faithfully under its mode fails
+with ``EngineError`` instead of recording wrong log-probs.
 
 ``max_context`` comes from the config, else from ``max_model_len`` in ``GET /v1/models``. The
 client clamps ``max_tokens`` to the room left in the context (vLLM rejects a request whose prompt
 plus ``max_tokens`` exceeds ``max_model_len``).
 
 ``load_weights(path)`` needs a server started with ``VLLM_SERVER_DEV_MODE=1`` and
-``weight_reload="collective_rpc"`` here. The client then stops sending new requests, waits for
-its own in-flight ones to finish, and calls the development endpoints: ``POST /collective_rpc``
-with ``{"method": "update_config", "args": [{"model_config": {"model": path}}]}`` (point the
-workers at the new checkpoint), ``POST /collective_rpc`` with ``{"method": "reload_weights"}``
-(load it in place, as vLLM's sleep-mode docs do for RLHF weight updates), and
-``POST /reset_prefix_cache`` (cached K/V belong to the old weights). Without dev mode vLLM has no
-HTTP way to swap weights, and ``load_weights`` raises ``NotImplementedError`` saying so. Other
-clients of the same server are not drained: give the engine its own server.
+``weight_reload="collective_rpc"`` here (both are so for a server legorl launches). The client
+then stops sending new requests, waits for its own in-flight ones to finish, and calls the
+development endpoints: ``POST /collective_rpc`` with ``{"method": "reload_weights", "kwargs":
+{"weights_path": path}}`` (the workers load the checkpoint at ``path`` in place and point their
+model config at it), then ``POST /reset_prefix_cache`` (cached K/V belong to the old weights: a
+session's next call would otherwise reuse its prefix computed under them). The checkpoint must
+be a full model folder in the served model's layout, as ``legorl train`` writes it. Without dev
+mode vLLM has no HTTP way to swap weights, and ``load_weights`` raises ``NotImplementedError``
+saying so. Other clients of the same server are not drained: give the engine its own server.
+
+Without ``base_url`` legorl launches the server itself and stops it on ``close``
+(``engines/vllm_server.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -50,21 +61,38 @@ from typing import Any, ClassVar, Literal
 
 import httpx
 
+from legorl.engines.vllm_server import VllmServer
 from legorl.protocols import ContextLengthError, EngineError, GenerationRequest, TokenStep
 
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
+_VLLM_MIN_TEMPERATURE = 0.01  # vLLM's SamplingParams raises lower (non-zero) ones to this
 
 
 @dataclass(slots=True, kw_only=True)
 class VllmConfig:
-    base_url: str = "http://127.0.0.1:8000"
+    # None: legorl launches a server on model_path (engines/vllm_server.py) and stops it on close
+    base_url: str | None = None
+    model_path: str | None = None  # the model folder (the CLI's --model): what a launch serves
     model: str | None = None  # served model name; None: the first one /v1/models lists
     api_key: str | None = None
     max_context: int | None = None  # None: max_model_len from /v1/models
     stream: bool = True
     timeout_s: float = 600.0
-    logprobs_mode: LogprobsMode = "raw_logprobs"  # what the server runs with (--logprobs-mode)
-    weight_reload: Literal["none", "collective_rpc"] = "none"  # see the module docstring
+    # what the server runs with (--logprobs-mode); None: raw_logprobs (vLLM's default) for a
+    # server at base_url, processed_logprobs for one legorl launches
+    logprobs_mode: LogprobsMode | None = None
+    # see the module docstring; None: "none" at base_url, "collective_rpc" for a launched server
+    weight_reload: Literal["none", "collective_rpc"] | None = None
+    # ---- a launched server only (vllm_server.server_command says why each is set) ----
+    python: str | None = None  # None: $LEGORL_VLLM_PYTHON, else python3 if it has vllm
+    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    kv_cache_memory: str = "1G"  # --kv-cache-memory-bytes; raise it on a GPU host
+    enforce_eager: bool = True
+    chunked_prefill: bool = False  # True only where seeded requests are not split (not on CPU)
+    server_args: str = ""  # more vLLM flags, split like a shell line
+    startup_timeout_s: float = 600.0
+    log_path: str | None = None  # the server's log; None: a new temporary file
 
 
 class _Gate:
@@ -96,19 +124,79 @@ class VllmEngine:
     config_class: ClassVar[type] = VllmConfig
 
     def __init__(self, config: VllmConfig) -> None:
+        self.server: VllmServer | None = None
+        if config.base_url is None:
+            config = dataclasses.replace(
+                config,
+                logprobs_mode=config.logprobs_mode or "processed_logprobs",
+                weight_reload=config.weight_reload or "collective_rpc",
+            )
+            self.server = VllmServer(config)
+            base_url = self.server.start()
+        else:
+            base_url = config.base_url
+        self.base_url = base_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        if self.server is None:
+            config = self._settle_modes(config)
         self.config = config
         self.policy_version = 0
-        self.base_url = config.base_url.rstrip("/")
-        self._headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         model, max_context = config.model, config.max_context
-        if model is None or max_context is None:
-            model, max_context = self._describe_server(model, max_context)
+        try:
+            if model is None or max_context is None:
+                model, max_context = self._describe_server(model, max_context)
+        except BaseException:
+            self._stop_server()
+            raise
         self.model = model
         self.max_context = max_context
         self._client: httpx.AsyncClient | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
         self._gate: _Gate | None = None
         self._reload_lock: asyncio.Lock | None = None
+
+    def _settle_modes(self, config: VllmConfig) -> VllmConfig:
+        """The log-prob mode and reload path of the server at ``base_url``: what its
+        ``/server_info`` says (dev mode), checked against what the config claims."""
+        mode, dev = self._server_logprobs_mode(config.timeout_s)
+        claimed = config.logprobs_mode
+        if mode is not None and mode not in ("raw_logprobs", "processed_logprobs"):
+            raise EngineError(
+                f"the vLLM server at {self.base_url} runs --logprobs-mode {mode}: legorl needs "
+                "raw_logprobs or processed_logprobs (the log-probs of the sampled tokens)"
+            )
+        if mode is not None and claimed is not None and claimed != mode:
+            raise EngineError(
+                f"the vLLM server at {self.base_url} runs --logprobs-mode {mode}, but "
+                f"logprobs_mode={claimed} was given: its log-probs would be read wrongly; drop "
+                "logprobs_mode (it is read from the server) or restart the server to match"
+            )
+        reload = config.weight_reload or ("collective_rpc" if dev else "none")
+        settled: LogprobsMode = claimed or (
+            "processed_logprobs" if mode == "processed_logprobs" else "raw_logprobs"
+        )
+        return dataclasses.replace(config, logprobs_mode=settled, weight_reload=reload)
+
+    def _server_logprobs_mode(self, timeout: float) -> tuple[str | None, bool]:
+        """``(--logprobs-mode, dev mode)`` from ``GET /server_info``; ``(None, False)`` when the
+        server is not in dev mode (then only the config can say)."""
+        url = f"{self.base_url}/server_info"
+        try:
+            response = httpx.get(
+                url,
+                params={"config_format": "json"},
+                headers=self._headers,
+                timeout=timeout,
+            )
+        except httpx.HTTPError:
+            return None, False  # unreachable: _describe_server says so
+        if response.status_code != 200:
+            return None, False
+        try:
+            model_config = response.json()["vllm_config"]["model_config"]
+            return str(model_config["logprobs_mode"]), True
+        except (ValueError, KeyError, TypeError):
+            return None, True
 
     def _describe_server(self, model: str | None, max_context: int | None) -> tuple[str, int]:
         """The served model's name and context length from ``GET /v1/models`` (blocking)."""
@@ -207,11 +295,18 @@ class VllmEngine:
                 f"request at temperature {t} needs a server with --logprobs-mode "
                 "processed_logprobs (and top_p = 1), and logprobs_mode set to match"
             )
-        if mode == "processed_logprobs" and (top_p < 1.0 or t <= 0):
+        # greedy (T = 0) rows are scored at T = 1 in either mode: vLLM divides them by 1
+        if mode == "processed_logprobs" and t != 0.0 and top_p < 1.0:
             raise EngineError(
                 "vLLM --logprobs-mode processed_logprobs reports log-probs after top-p "
                 f"(renormalised); top_p {top_p} at temperature {t} cannot be scored faithfully: "
-                "use top_p = 1 and temperature > 0, or a raw_logprobs server at temperature 1"
+                "use top_p = 1, or a raw_logprobs server at temperature 1"
+            )
+        if mode == "processed_logprobs" and 0.0 < t < _VLLM_MIN_TEMPERATURE:
+            raise EngineError(
+                f"vLLM raises temperatures below {_VLLM_MIN_TEMPERATURE} to it, so the "
+                f"log-probs of temperature {t} would not be the ones sampled: use temperature 0 "
+                f"(greedy) or >= {_VLLM_MIN_TEMPERATURE}"
             )
 
     def _http_error(self, response: httpx.Response, prompt_len: int) -> EngineError:
@@ -253,11 +348,9 @@ class VllmEngine:
             gate.open.clear()  # new requests wait here
             try:
                 await gate.idle.wait()  # requests in flight finish under the old weights
-                update = {"model_config": {"model": str(path)}}
-                await self._post(
-                    client, "/collective_rpc", {"method": "update_config", "args": [update]}
-                )
-                await self._post(client, "/collective_rpc", {"method": "reload_weights"})
+                # the workers load the checkpoint at path in place (and serve from it after)
+                reload = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
+                await self._post(client, "/collective_rpc", reload)
                 await self._post(client, "/reset_prefix_cache", None)
                 self.policy_version += 1
             finally:
@@ -284,6 +377,12 @@ class VllmEngine:
         client, self._client = self._client, None
         if client is not None and self._client_loop is asyncio.get_running_loop():
             await client.aclose()
+        if self.server is not None:
+            await asyncio.to_thread(self._stop_server)
+
+    def _stop_server(self) -> None:
+        if self.server is not None:
+            self.server.stop()
 
 
 def _steps_of(payload: dict[str, Any]) -> list[TokenStep]:
