@@ -85,7 +85,8 @@ def test_a_call_past_max_turns_ends_the_episode_in_the_api_shape(
             _consume(_ask(api, proxy.url, "s1", stream=stream))
         assert proxy.core.stats["requests"] == before + 1  # final: the SDK did not retry it
         assert "budget is spent" in str(refused.value) and "max_turns=1" in str(refused.value)
-        assert "budget_exceeded" in str(refused.value.body)
+        if api != "anthropic":  # Anthropic's error shape has a type and a message only
+            assert "budget_exceeded" in str(refused.value.body)
         assert len(proxy.turns("s1")) == 1
         # Another session has its own budget.
         _consume(_ask(api, proxy.url, "s2", stream=stream))
