@@ -38,6 +38,42 @@ SkipBad = Annotated[
     ),
 ]
 
+# Episode budgets, enforced by the proxy (``legorl.proxy.core.Budget``).
+MaxCallTokens = Annotated[
+    int | None, typer.Option(help="Cap on each call's max_tokens (clamped, not refused).")
+]
+MaxEpisodeTurns = Annotated[
+    int | None, typer.Option(help="Calls per episode; the next one ends it as truncated.")
+]
+MaxEpisodeTokens = Annotated[
+    int | None, typer.Option(help="Sampled tokens per episode; then it ends as truncated.")
+]
+MaxEpisodeS = Annotated[
+    float | None, typer.Option(help="Seconds per episode; a later call ends it as truncated.")
+]
+
+
+def budget(
+    command: str,
+    call_tokens: int | None,
+    turns: int | None,
+    tokens: int | None,
+    seconds: float | None,
+) -> Any:
+    """The ``Budget`` of the budget options, or one readable failure line naming the option."""
+    from legorl.proxy.core import Budget
+
+    given = {
+        "--max-call-tokens": call_tokens,
+        "--max-episode-turns": turns,
+        "--max-episode-tokens": tokens,
+        "--max-episode-s": seconds,
+    }
+    for flag, value in given.items():
+        if value is not None and not value > 0:
+            fail(command, f"{flag} {value}: must be > 0", 2)
+    return Budget(max_call_tokens=call_tokens, max_turns=turns, max_tokens=tokens, max_s=seconds)
+
 
 def fail(command: str, message: str, code: int = 1) -> NoReturn:
     """One readable line on stderr, then exit with ``code``."""

@@ -62,10 +62,25 @@ def align(
     device: Annotated[
         str, typer.Option(help="Device for --check: auto, cpu, cuda, cuda:1, …")
     ] = "auto",
+    truncation: Annotated[
+        str,
+        typer.Option(help="Truncated episodes: mask (weight 0) or penalty (DAPO overlong)."),
+    ] = "mask",
+    overlong_max: Annotated[
+        int | None, typer.Option(help="penalty: sampled tokens past which the reward gets -1.")
+    ] = None,
+    overlong_buffer: Annotated[
+        int, typer.Option(help="penalty: the band below --overlong-max penalised linearly.")
+    ] = 0,
 ) -> None:
     """Turn graded trajectories into token-exact training samples."""
-    from legorl.align import AlignError, AlignStats, FidelityCheck
+    from legorl.align import AlignError, AlignStats, FidelityCheck, Truncation
     from legorl.align import align as align_stage
+
+    try:
+        rule = Truncation(truncation, overlong_max, overlong_buffer)  # type: ignore[arg-type]
+    except ValueError as exc:
+        fail("align", f"--truncation: {exc}", 2)
 
     if dtype not in _DTYPES:
         fail("align", f"--dtype: expected one of {', '.join(_DTYPES)}, got {dtype!r}", 2)
@@ -93,6 +108,7 @@ def align(
                     base_dir=base,
                     stats=stats,
                     skip_bad=skip_bad,
+                    truncation=rule,
                 ):
                     writer.write(sample)
                     if checker is not None:

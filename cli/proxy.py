@@ -15,7 +15,17 @@ from typing import Annotated, Any
 
 import typer
 
-from ._common import console, engine_log_beside, fail, key_values
+from ._common import (
+    MaxCallTokens,
+    MaxEpisodeS,
+    MaxEpisodeTokens,
+    MaxEpisodeTurns,
+    budget,
+    console,
+    engine_log_beside,
+    fail,
+    key_values,
+)
 
 HELP = "Token-faithful LLM proxy: serve the engine, or intercept harness traffic."
 
@@ -60,10 +70,11 @@ def _build(
     served_name: str,
     admin_token: str | None,
     registered_only: bool,
+    caps: Any = None,
 ):
     from legorl.engines import ENGINES, make_engine
     from legorl.protocols import EngineError
-    from legorl.proxy.core import ProxyConfig, ProxyCore
+    from legorl.proxy.core import Budget, ProxyConfig, ProxyCore
 
     if engine not in ENGINES:
         fail("proxy", f"--engine {engine!r}: unknown engine (one of {', '.join(ENGINES)})", 2)
@@ -83,6 +94,7 @@ def _build(
         admin_token=admin_token,
         open_sessions=not registered_only,
         log_errors=True,
+        budget=caps or Budget(),
     )
     return ProxyCore(config, eng)
 
@@ -108,13 +120,25 @@ def serve(
             "route it answers); no open sessions named by the client."
         ),
     ] = False,
+    max_call_tokens: MaxCallTokens = None,
+    max_episode_turns: MaxEpisodeTurns = None,
+    max_episode_tokens: MaxEpisodeTokens = None,
+    max_episode_s: MaxEpisodeS = None,
 ) -> None:
     """Answer OpenAI Chat, Anthropic Messages and Responses calls from an engine."""
     from legorl.proxy.server import ProxyServer, tune_gc_for_serving
 
     token = admin_token or os.environ.get("LEGORL_ADMIN_TOKEN") or secrets.token_hex(16)
+    caps = budget("proxy", max_call_tokens, max_episode_turns, max_episode_tokens, max_episode_s)
     core = _build(
-        model, engine, _engine_options(engine_opt, script), out, served_name, token, registered_only
+        model,
+        engine,
+        _engine_options(engine_opt, script),
+        out,
+        served_name,
+        token,
+        registered_only,
+        caps,
     )
     tune_gc_for_serving()
 

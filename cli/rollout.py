@@ -14,7 +14,18 @@ from typing import Annotated, Any
 
 import typer
 
-from ._common import TaskFormat, console, engine_log_beside, fail, key_values
+from ._common import (
+    MaxCallTokens,
+    MaxEpisodeS,
+    MaxEpisodeTokens,
+    MaxEpisodeTurns,
+    TaskFormat,
+    budget,
+    console,
+    engine_log_beside,
+    fail,
+    key_values,
+)
 
 HELP = "Run a harness on tasks in sandboxes through the proxy; writes trajectories."
 
@@ -68,6 +79,10 @@ def rollout(
     ] = None,
     served_model: Annotated[str, typer.Option(help="Model name the harness asks for.")] = "",
     strict: Annotated[bool, typer.Option(help="Stop at the first monitor alert.")] = False,
+    max_call_tokens: MaxCallTokens = None,
+    max_episode_turns: MaxEpisodeTurns = None,
+    max_episode_tokens: MaxEpisodeTokens = None,
+    max_episode_s: MaxEpisodeS = None,
 ) -> None:
     """Run HARNESS on each task GROUP_SIZE times; one Trajectory per run, resumable."""
     from rich.progress import Progress as RichProgress
@@ -89,6 +104,9 @@ def rollout(
         fail("rollout", "give --model (in-process proxy) or --proxy URL with --proxy-turns", 2)
     if proxy is not None and proxy_turns is None:
         fail("rollout", "--proxy needs --proxy-turns: the folder that proxy writes Turns to", 2)
+    caps = budget("rollout", max_call_tokens, max_episode_turns, max_episode_tokens, max_episode_s)
+    if proxy is not None and caps != type(caps)():
+        fail("rollout", "with --proxy, budgets are that proxy's: give them to proxy serve", 2)
     proxy_token = proxy_token or os.environ.get("LEGORL_ADMIN_TOKEN")
     if proxy is not None and not proxy_token:
         fail(
@@ -173,7 +191,7 @@ def rollout(
             except EngineError as exc:  # e.g. a vLLM server that legorl could not start
                 fail("rollout", f"--engine {engine}: {exc}")
             try:
-                async with inprocess_proxy(model, eng, turns) as (endpoint, core):
+                async with inprocess_proxy(model, eng, turns, caps) as (endpoint, core):
                     await consume(endpoint, served_model or core.served_name)
             finally:
                 await eng.close()

@@ -97,7 +97,7 @@ def test_readme_rollout_then_verify_examples_run(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     trajs = list(read_jsonl(tmp_path / "runs" / "traj.jsonl", Trajectory))
     assert len(trajs) == 4
-    assert {t.status for t in trajs} <= {"ok", "agent_error", "timeout"}
+    assert {t.status for t in trajs} <= {"ok", "agent_error", "timeout", "truncated"}
     assert all(t.turns_ref and (tmp_path / "runs" / t.turns_ref[0]).exists() for t in trajs)
     again = subprocess.run(
         rollout, shell=True, cwd=tmp_path, capture_output=True, timeout=600, env=env

@@ -19,6 +19,14 @@ episode's reward, so the trainer can give all segments the episode's advantage.
 Auxiliary sub-sessions (``flags.aux``: title calls, sub-agents) are left out unless
 ``include_aux``; then they become samples of their own, flagged ``aux``. Episodes whose status is
 an environment failure or whose reward is null are dropped and counted by reason, never scored 0.
+
+An episode the proxy ``truncated`` (a budget spent, or its prompt outgrew the model's context:
+the policy's doing) is handled by one ``Truncation`` rule (``--truncation``). ``mask``, the
+default and DAPO's overlong filtering: its samples are kept with ``weight`` 0, so its reward
+still counts in its group's baseline but no loss flows through it, and the survivors are not
+the only episodes the group is judged by. ``penalty``, DAPO's soft overlong punishment, adds to
+every episode's reward R(L) of its L sampled tokens: 0 for L <= max - buffer, the linear
+((max - buffer) - L) / buffer up to L = max, and -1 beyond max or for a truncated episode.
 Work and storage are linear in the episode's tokens: nothing rebuilds a full prompt per turn.
 
 ``FidelityCheck`` is the trainer's side of pillar 1: it recomputes the log-prob of every loss
@@ -33,7 +41,7 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from legorl.records import (
     ENVIRONMENT_FAILURES,
@@ -49,6 +57,41 @@ NO_REWARD = "no_reward"
 NO_TURNS = "no_turns"
 NO_TRAINABLE_TURNS = "no_trainable_turns"
 INVALID = "invalid"
+
+
+@dataclass(slots=True, frozen=True)
+class Truncation:
+    """What training makes of truncated episodes; see the module docstring."""
+
+    rule: Literal["mask", "penalty"] = "mask"
+    overlong_max: int | None = None  # penalty: L_max, sampled tokens of an episode
+    overlong_buffer: int = 0  # penalty: L_cache, the soft band below overlong_max
+
+    def __post_init__(self) -> None:
+        if self.rule not in ("mask", "penalty"):
+            raise ValueError(f"truncation rule: expected mask or penalty, got {self.rule!r}")
+        if self.rule == "penalty":
+            if self.overlong_max is None or self.overlong_max <= 0:
+                raise ValueError("overlong_max: the penalty rule needs a length > 0")
+            if not 0 <= self.overlong_buffer <= self.overlong_max:
+                raise ValueError(
+                    f"overlong_buffer: expected 0..overlong_max ({self.overlong_max}), "
+                    f"got {self.overlong_buffer}"
+                )
+
+    def shaped(self, reward: float, length: int, truncated: bool) -> tuple[float, float]:
+        """(reward, sample weight) of an episode of ``length`` sampled tokens."""
+        if self.rule == "mask":
+            return reward, 0.0 if truncated else 1.0
+        assert self.overlong_max is not None
+        soft = self.overlong_max - self.overlong_buffer
+        if truncated or length > self.overlong_max:
+            penalty = -1.0
+        elif length > soft:
+            penalty = (soft - length) / self.overlong_buffer
+        else:
+            penalty = 0.0
+        return reward + penalty, 1.0
 
 
 class AlignError(ValueError):
@@ -80,6 +123,7 @@ class AlignStats:
     trained_tokens: int = 0
     total_tokens: int = 0
     max_samples_per_episode: int = 0
+    truncated_episodes: int = 0  # kept episodes the proxy truncated, under the truncation rule
     dropped: dict[str, int] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)  # first messages of skipped episodes
 
@@ -106,6 +150,7 @@ class AlignStats:
             "trained_fraction": (
                 self.trained_tokens / self.total_tokens if self.total_tokens else None
             ),
+            "truncated_episodes": self.truncated_episodes,
             "dropped": dict(sorted(self.dropped.items())),
             "errors": list(self.errors),
         }
@@ -253,8 +298,11 @@ def align(
     load_turns: TurnLoader | None = None,
     stats: AlignStats | None = None,
     skip_bad: bool = False,
+    truncation: Truncation | None = None,
 ) -> Iterator[Sample]:
     """Samples of each trajectory, episode by episode, in input order.
+
+    ``truncation`` (default: mask) sets the reward and weight of truncated episodes' samples.
 
     Turns come from ``load_turns(traj)`` when given, else inline or from ``turns_ref`` files
     relative to ``base_dir`` (``turns_of``). Raises ``AlignError`` (naming the trajectory and
@@ -262,6 +310,7 @@ def align(
     counted as ``invalid`` and its message kept in ``stats.errors`` instead.
     """
     stats = stats if stats is not None else AlignStats()
+    rule = truncation if truncation is not None else Truncation()
     for traj in trajectories:
         stats.episodes_in += 1
         if traj.status in ENVIRONMENT_FAILURES:
@@ -284,6 +333,10 @@ def align(
             stats.drop(NO_TRAINABLE_TURNS if seen else NO_TURNS)
             continue
         stats.episodes += 1
+        truncated = traj.status == "truncated"
+        stats.truncated_episodes += truncated
+        sampled = sum(len(o.logprobs) for o in opens)
+        reward, weight = rule.shaped(traj.reward, sampled, truncated)
         stats.samples += len(opens)
         stats.max_samples_per_episode = max(stats.max_samples_per_episode, len(opens))
         for index, o in enumerate(opens):
@@ -300,7 +353,8 @@ def align(
                 input_ids=o.input_ids,
                 loss_mask=o.loss_mask,
                 rollout_logprobs=o.logprobs,
-                reward=traj.reward,
+                reward=reward,
+                weight=weight,
                 policy_version=o.policy_version,
                 aux=o.aux,
             )

@@ -33,9 +33,14 @@ import orjson
 # --------------------------------------------------------------------------------------------
 
 Api = Literal["openai_chat", "anthropic", "responses"]
-Status = Literal["ok", "agent_error", "timeout", "harness_crash", "sandbox_error", "proxy_error"]
+Status = Literal[
+    "ok", "agent_error", "timeout", "truncated", "harness_crash", "sandbox_error", "proxy_error"
+]
 
 #: Statuses caused by the environment, not by the agent: masked from training, never scored 0.
+#: ``truncated`` is the policy's: its episode outgrew a budget or the model's context; the
+#: proxy's record of the session says so (``evidence["truncated"]`` names which) and align's
+#: truncation rule decides what training makes of it.
 ENVIRONMENT_FAILURES: frozenset[str] = frozenset({"harness_crash", "sandbox_error", "proxy_error"})
 
 
@@ -140,6 +145,8 @@ class Turn(Record):
     requested_model: str = ""  # what the harness asked for
     policy_version: int = 0
     temperature: float = 1.0  # the sampling temperature the log-probs are taken at
+    requested_max_tokens: int | None = None  # what the harness asked for (None: it named none)
+    max_tokens: int | None = None  # the limit sampled under, after the proxy's caps
     prompt_offset: int  # tokens of the segment that precede prompt_delta
     prompt_delta: list[int]
     completion_ids: list[int]

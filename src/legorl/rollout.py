@@ -11,7 +11,10 @@ not reachable by its id, by an API key or by a guessed secret. The secret is red
 what the run records and dies when the session closes. Turns go to
 ``{turns_dir}/{trajectory_id}.jsonl`` and the Trajectory refers to them. Environment failures (the sandbox would not start, the
 harness crashed, the proxy failed) get their own status and are never written as a failed
-attempt of the agent. Re-running with the same output skips finished trajectories.
+attempt of the agent. An episode the proxy truncated (a budget spent, or the prompt outgrew the
+model's context) is ``truncated`` whatever the harness's exit looked like: that is the policy's
+doing, and align's truncation rule handles it; the proxy's own record of the session decides,
+never the harness's exit code or text. Re-running with the same output skips finished trajectories.
 """
 
 from __future__ import annotations
@@ -92,12 +95,13 @@ class ProxyEndpoint:
     """Where sandboxes reach the proxy, and how sessions are opened and closed on it.
 
     ``open_session(id, main_system)`` opens a capability session (``main_system``: the
-    harness's declared system prompt, or None) and raises ``SessionOpenError`` if it cannot."""
+    harness's declared system prompt, or None) and raises ``SessionOpenError`` if it cannot.
+    ``close_session(id)`` returns why the proxy truncated the session, or None."""
 
     url: str  # host-side base URL
     turns_dir: Path
     open_session: Callable[[str, str | None], Awaitable[SessionAccess]]
-    close_session: Callable[[str], Awaitable[None]]
+    close_session: Callable[[str], Awaitable[str | None]]
 
 
 @dataclass(slots=True)
@@ -173,7 +177,9 @@ async def run_one(
                 evidence=evidence,
             )
         finally:
-            await proxy.close_session(tid)
+            truncated = await proxy.close_session(tid)
+        if truncated is not None and status != "sandbox_error":
+            status, evidence["truncated"] = "truncated", truncated
         for key, value in evidence.items():
             if isinstance(value, str):
                 evidence[key] = access.redact(value)
@@ -291,13 +297,15 @@ async def rollout(
 
 @contextlib.asynccontextmanager
 async def inprocess_proxy(
-    model: str | Path, engine: Any, turns_dir: Path
+    model: str | Path, engine: Any, turns_dir: Path, budget: Any = None
 ) -> AsyncIterator[tuple[ProxyEndpoint, Any]]:
-    """A proxy on 127.0.0.1 in this process, sessions opened per run; yields (endpoint, core)."""
-    from legorl.proxy.core import ProxyConfig, ProxyCore
+    """A proxy on 127.0.0.1 in this process, sessions opened per run; yields (endpoint, core).
+    ``budget`` is a ``proxy.core.Budget`` (None: no caps)."""
+    from legorl.proxy.core import Budget, ProxyConfig, ProxyCore
     from legorl.proxy.server import ProxyServer
 
-    core = ProxyCore(ProxyConfig(model=model, out=turns_dir, open_sessions=False), engine)
+    config = ProxyConfig(model=model, out=turns_dir, open_sessions=False, budget=budget or Budget())
+    core = ProxyCore(config, engine)
     server = ProxyServer(core, "127.0.0.1", 0)
     await server.start()
 
@@ -310,8 +318,8 @@ async def inprocess_proxy(
             raise SessionOpenError(err.message) from None
         return SessionAccess.of_route(server.url, route)
 
-    async def close_session(sid: str) -> None:
-        core.close_session(sid)
+    async def close_session(sid: str) -> str | None:
+        return core.close_session(sid)
 
     try:
         yield (
@@ -372,10 +380,14 @@ def remote_proxy(url: str, turns_dir: Path, admin_token: str) -> ProxyEndpoint:
             ) from None
         return SessionAccess.of_route(base, str(route))
 
-    async def close_session(sid: str) -> None:
-        with contextlib.suppress(httpx.HTTPError):
+    async def close_session(sid: str) -> str | None:
+        try:
             async with httpx.AsyncClient() as client:
-                await client.delete(f"{base}/admin/sessions/{sid}", headers=auth)
+                resp = await client.delete(f"{base}/admin/sessions/{sid}", headers=auth)
+            truncated = resp.json().get("truncated")
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        return truncated if isinstance(truncated, str) else None
 
     return ProxyEndpoint(
         url=base,

@@ -15,6 +15,15 @@ its bare id and API-key headers never reach it, not even after it is closed. An 
 ``/s/{id}`` or as the API key. A route that is not a live session's gets the same 404 whether
 the id exists or not. A sandbox reaches the proxy through a byte relay, so the check sits here,
 where nothing between the sandbox and the decision reparses the request.
+
+Episode budgets (``Budget``): each call's ``max_tokens`` is clamped to ``max_call_tokens``, to
+the context left and to the episode's token budget left; the Turn keeps what was asked and what
+was used. A session that has used ``max_turns`` calls, ``max_tokens`` sampled tokens or
+``max_s`` seconds since it opened gets a 400 ``budget_exceeded`` in its API's error shape, which
+no client retries, so the harness stops. That session, and one whose prompt outgrew the model's
+context (``context_length_exceeded``), is marked truncated: ``close_session`` and
+``DELETE /admin/sessions/{id}`` return the reason, and the rollout records the episode as
+``truncated``, the policy's doing, not the environment's.
 """
 
 from __future__ import annotations
@@ -76,6 +85,34 @@ class Response:
 
 
 @dataclass(slots=True, kw_only=True)
+class Budget:
+    """Per-call and per-session caps; None is no cap."""
+
+    max_call_tokens: int | None = None  # clamps each call's max_tokens
+    max_turns: int | None = None  # answered calls per session, aux calls included
+    max_tokens: int | None = None  # sampled tokens per session
+    max_s: float | None = None  # seconds from the session's opening to a call's arrival
+
+    def __post_init__(self) -> None:
+        for name in ("max_call_tokens", "max_turns", "max_tokens", "max_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"budget {name}: must be > 0, got {value}")
+
+
+#: Why a session was truncated (``close_session``'s answer), besides the Budget field names.
+CONTEXT_OVERFLOW = "context_length"
+
+
+@dataclass(slots=True)
+class _Spent:
+    opened: float = field(default_factory=time.monotonic)
+    turns: int = 0
+    tokens: int = 0
+    truncated: str | None = None
+
+
+@dataclass(slots=True, kw_only=True)
 class ProxyConfig:
     model: str | Path
     served_name: str = ""  # defaults to the model folder's name
@@ -85,6 +122,7 @@ class ProxyConfig:
     max_body_bytes: int = 32 * 1024 * 1024
     default_max_tokens: int = 4096  # when a request names none (OpenAI Chat may omit it)
     log_errors: bool = False  # one stderr line per client error
+    budget: Budget = field(default_factory=Budget)
     # Tests only, for the controls of the isolation tests: False lets bare ids and API keys
     # reach capability sessions too, and a declared main system prompt is not bound at open.
     isolate_sessions: bool = True
@@ -104,6 +142,7 @@ class ProxyCore:
         self._granted: set[str] = set()  # every id opened as a capability (bare ids never reach)
         self._locks: dict[str, asyncio.Lock] = {}
         self._writers: dict[str, JsonlWriter] = {}  # one open Turn file per live session
+        self._spent: dict[str, _Spent] = {}  # budget used by each live session
         self.stats = {"requests": 0, "errors": 0, "cancelled": 0}
 
     # ---- entry point --------------------------------------------------------------------
@@ -225,6 +264,7 @@ class ProxyCore:
             if not self.config.open_sessions:
                 raise _unknown(sid)
             session = self.sessions[sid] = Session(sid, self.tok)
+            self._spent[sid] = _Spent()
         return session
 
     async def _admin(
@@ -249,8 +289,8 @@ class ProxyCore:
             return self._json(200, {"id": sid, "route": self.open_session(sid, main_system=system)})
         if method == "DELETE" and rest.startswith("/admin/sessions/"):
             sid = rest.rsplit("/", 1)[1]
-            self.close_session(sid)
-            return self._json(200, {"id": sid, "deleted": True})
+            truncated = self.close_session(sid)
+            return self._json(200, {"id": sid, "deleted": True, "truncated": truncated})
         raise ApiError(404, f"no admin route {method} {rest}", kind="not_found_error")
 
     async def load_weights(self, path: str) -> int:
@@ -278,18 +318,22 @@ class ProxyCore:
         if not self.config.isolate_sessions:
             main_system = None
         self.sessions[sid] = Session(sid, self.tok, main_system=main_system)
+        self._spent[sid] = _Spent()
         self._secrets[sid] = secret
         self._granted.add(sid)
         return f"/s/{sid}~{secret}"
 
-    def close_session(self, sid: str) -> None:
-        """Forget a session's state and close its Turn file; its route stops working."""
+    def close_session(self, sid: str) -> str | None:
+        """Forget a session's state and close its Turn file; its route stops working. Returns
+        why the session was truncated (a ``Budget`` field name or ``CONTEXT_OVERFLOW``), or None."""
+        spent = self._spent.pop(sid, None)
         self.sessions.pop(sid, None)
         self._secrets.pop(sid, None)
         self._locks.pop(sid, None)
         writer = self._writers.pop(sid, None)
         if writer is not None:
             writer.close()
+        return spent.truncated if spent is not None else None
 
     def close(self) -> None:
         for sid in list(self._writers):
@@ -317,12 +361,15 @@ class ProxyCore:
         await lock.acquire()
         try:
             queued = time.time() - arrived
+            spent = self._spent.setdefault(session.id, _Spent())
+            self._check_budget(spent)
             t0 = time.perf_counter()
             plan = session.plan(req)
             build_s = time.perf_counter() - t0
             prompt = plan.prompt_ids
             limit = self.engine.max_context
             if len(prompt) >= limit:
+                spent.truncated = spent.truncated or CONTEXT_OVERFLOW
                 raise ApiError(
                     400,
                     f"prompt is too long: {len(prompt)} tokens > {limit - 1} maximum "
@@ -331,7 +378,7 @@ class ProxyCore:
                     param="messages",
                 )
             meta = {"arrived": arrived, "queue_s": queued, "prompt_build_s": build_s}
-            events = self._generate(session, req, plan, prompt, meta, lock)
+            events = self._generate(session, req, plan, prompt, meta, lock, spent)
             rid = wire.response_id()
             created = int(arrived)
             if req.stream:
@@ -365,12 +412,13 @@ class ProxyCore:
         prompt: list[int],
         meta: dict[str, float],
         lock: asyncio.Lock,
+        spent: _Spent,
     ) -> AsyncIterator[Event]:
         """Sample, parse and stream events; record the Turn once the completion is whole.
 
         Holds the session lock until done, so calls of one session never interleave."""
         try:
-            async for ev in self._sample(session, req, plan, prompt, meta):
+            async for ev in self._sample(session, req, plan, prompt, meta, spent):
                 yield ev
         finally:
             if lock.locked():
@@ -383,11 +431,19 @@ class ProxyCore:
         plan: PromptPlan,
         prompt: list[int],
         meta: dict[str, float],
+        spent: _Spent,
     ) -> AsyncIterator[Event]:
         wire = WIRES[req.api]
-        max_tokens = min(
-            req.max_tokens or self.config.default_max_tokens, self.engine.max_context - len(prompt)
-        )
+        budget = self.config.budget
+        caps = [
+            req.max_tokens or self.config.default_max_tokens,
+            self.engine.max_context - len(prompt),
+        ]
+        if budget.max_call_tokens is not None:
+            caps.append(budget.max_call_tokens)
+        if budget.max_tokens is not None:
+            caps.append(budget.max_tokens - spent.tokens)
+        max_tokens = min(caps)
         gen_req = GenerationRequest(
             prompt_ids=prompt,
             max_tokens=max_tokens,
@@ -423,6 +479,7 @@ class ProxyCore:
                     if stops.hit is not None:
                         break
             except ContextLengthError as err:
+                spent.truncated = spent.truncated or CONTEXT_OVERFLOW
                 raise ApiError(400, str(err), code="context_length_exceeded") from None
             except EngineError as err:
                 raise ApiError(503, f"engine error: {err}", kind="overloaded_error") from None
@@ -445,6 +502,8 @@ class ProxyCore:
             completed = True
         finally:
             if completed:
+                spent.turns += 1
+                spent.tokens += len(ids)
                 self._record(
                     session,
                     req,
@@ -454,6 +513,7 @@ class ProxyCore:
                     parser,
                     reason,
                     version,
+                    max_tokens,
                     {
                         **meta,
                         "first_token_s": first_token_s,
@@ -462,6 +522,21 @@ class ProxyCore:
                 )
             else:
                 self.stats["cancelled"] += 1
+
+    def _check_budget(self, spent: _Spent) -> None:
+        """Refuse a call of a session whose budget is spent, and mark the session truncated."""
+        budget = self.config.budget
+        over: tuple[str, str] | None = None
+        if budget.max_turns is not None and spent.turns >= budget.max_turns:
+            over = "max_turns", f"{spent.turns} calls answered, max_turns={budget.max_turns}"
+        elif budget.max_tokens is not None and spent.tokens >= budget.max_tokens:
+            over = "max_tokens", f"{spent.tokens} tokens sampled, max_tokens={budget.max_tokens}"
+        elif budget.max_s is not None and time.monotonic() - spent.opened >= budget.max_s:
+            over = "max_s", f"{time.monotonic() - spent.opened:.1f} s, max_s={budget.max_s:g}"
+        if over is None:
+            return
+        spent.truncated = spent.truncated or over[0]
+        raise ApiError(400, f"the episode's budget is spent: {over[1]}", code="budget_exceeded")
 
     def _record(
         self,
@@ -473,6 +548,7 @@ class ProxyCore:
         parser: OutputParser,
         reason: str,
         version: int,
+        max_tokens: int,
         meta: dict[str, float],
     ) -> None:
         session_id = session.id
@@ -493,6 +569,8 @@ class ProxyCore:
             requested_model=req.model,
             policy_version=version,
             temperature=1.0 if req.temperature is None else req.temperature,
+            requested_max_tokens=req.max_tokens,
+            max_tokens=max_tokens,
             prompt_offset=plan.prompt_offset,
             prompt_delta=plan.prompt_delta,
             completion_ids=ids,
@@ -576,4 +654,4 @@ def _json_object(body: bytes) -> dict[str, Any]:
     return data
 
 
-__all__ = ["ProxyConfig", "ProxyCore", "Response", "TextDelta"]
+__all__ = ["CONTEXT_OVERFLOW", "Budget", "ProxyConfig", "ProxyCore", "Response", "TextDelta"]
