@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 from legorl.cli._common import SkipBad, console, fail, iter_inputs
 
-from legorl.records import JsonlWriter, Metric, Sample
+from legorl.records import JsonlWriter, Metric, Sample, write_jsonl
 
 HELP = "One or more policy-gradient steps (GSPO, GRPO, Dr.GRPO) on samples."
 
@@ -46,6 +46,16 @@ def train(
     metrics: Annotated[
         Path | None,
         typer.Option("--metrics", help="Append Metric records here instead of stdout."),
+    ] = None,
+    logprobs: Annotated[
+        Path | None,
+        typer.Option(
+            "--logprobs",
+            help="Append the trainer's log-probs of each sample's loss tokens here "
+            "(legorl inspect colours tokens by them); default: trainer_logprobs.jsonl beside "
+            "--metrics, else in --out.",
+            show_default=False,
+        ),
     ] = None,
     push: Annotated[
         str | None,
@@ -104,8 +114,10 @@ def train(
         monitor.observe_metric(metric)
 
     samples = iter_inputs("train", paths, Sample, skip_bad)
+    if logprobs is None and (metrics or out):
+        logprobs = alerts_dir / "trainer_logprobs.jsonl"
     try:
-        run_train(
+        result = run_train(
             samples,
             model=model,
             out=out,
@@ -122,3 +134,5 @@ def train(
     finally:
         if writer is not None:
             writer.close()
+    if logprobs is not None and result.logprobs:
+        write_jsonl(logprobs, result.logprobs)
