@@ -125,8 +125,17 @@ def test_the_report_is_signed_and_forged_lines_are_counted(tmp_path: Path) -> No
     assert results.forged_lines == 2 and results.finished
     # With another key nothing is trusted.
     assert PytestReportParser().parse(raw, b"other").outcomes == {}
-    body = json.dumps({"event": "finish", "exitstatus": 0}, sort_keys=True).encode()
-    assert hmac.new(b"k3y", body, hashlib.sha256).hexdigest()  # the scheme the parser checks
+    # The scheme the parser checks: HMAC-SHA256 of the record's sorted-key JSON. A line signed
+    # so with the key is trusted; the same line under another key, or edited, is forged.
+    record = {"event": "finish", "exitstatus": 3}
+    body = json.dumps(record, sort_keys=True).encode()
+    signed = {"r": record, "mac": hmac.new(b"k3y", body, hashlib.sha256).hexdigest()}
+    trusted = PytestReportParser().parse(json.dumps(signed).encode() + b"\n", b"k3y")
+    assert trusted.finished and trusted.exitstatus == 3 and trusted.forged_lines == 0
+    other = PytestReportParser().parse(json.dumps(signed).encode() + b"\n", b"other")
+    assert not other.finished and other.forged_lines == 1
+    edited = {**signed, "r": {"event": "finish", "exitstatus": 0}}
+    assert PytestReportParser().parse(json.dumps(edited).encode(), b"k3y").forged_lines == 1
 
 
 def test_os_exit_in_code_under_test_leaves_tests_missing(tmp_path: Path) -> None:
