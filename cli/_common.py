@@ -75,6 +75,17 @@ def budget(
     return Budget(max_call_tokens=call_tokens, max_turns=turns, max_tokens=tokens, max_s=seconds)
 
 
+ReportTo = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--report-to",
+        help="Also send the metrics to these trackers: wandb, tensorboard, mlflow (repeat or "
+        "comma-separate; logs under trackers/ beside the metrics). The JSONL stays the record.",
+        show_default=False,
+    ),
+]
+
+
 def fail(command: str, message: str, code: int = 1) -> NoReturn:
     """One readable line on stderr, then exit with ``code``."""
     console.print(f"legorl {command}: error: {message}", markup=False, soft_wrap=True)

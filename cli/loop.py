@@ -10,12 +10,15 @@ only prints its summary. Exit status: 0 done; 1 a stage failed; 2 bad usage.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
-from ._common import console, fail, key_values
+from ._common import ReportTo, console, fail, key_values
 
 if TYPE_CHECKING:
     from legorl.loop import LoopResult
@@ -100,6 +103,7 @@ def loop(
         list[str] | None,
         typer.Option("--engine-opt", help="vllm engine KEY=VALUE, e.g. dtype=bfloat16."),
     ] = None,
+    report_to: ReportTo = None,
 ) -> None:
     """Rollout → verify → align → train, ITERATIONS times, with held-out evaluation."""
     from legorl.loop import LoopConfig, LoopConfigError, LoopError, run_loop
@@ -135,6 +139,12 @@ def loop(
         config.validate()
     except LoopConfigError as exc:
         _bad(exc)
+    from legorl.train.trackers import TrackerError, parse_report_to
+
+    try:
+        trackers = parse_report_to(report_to)
+    except TrackerError as exc:
+        fail("loop", str(exc), 2)
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
     from transformers.utils import logging as hf_logging
@@ -158,7 +168,8 @@ def loop(
             bar.update(shown[phase], completed=done)
 
         try:
-            result = run_loop(config, log=say, progress=progress)
+            with _reporting(trackers, out, config.train_config().to_dict()):
+                result = run_loop(config, log=say, progress=progress)
         except LoopConfigError as exc:
             _bad(exc)
         except LoopError as exc:
@@ -166,6 +177,32 @@ def loop(
         except KeyboardInterrupt:
             fail("loop", f"interrupted: run the same command again to continue {out}", 130)
     summary(result)
+
+
+@contextlib.contextmanager
+def _reporting(trackers: list[str], out: Path, config: dict[str, Any]) -> Iterator[None]:
+    """Feed the trackers from the run folder's metrics files while the loop writes them."""
+    if not trackers:
+        yield
+        return
+    from legorl.loop import METRICS_FILE
+    from legorl.train.trackers import Reporter, follow_metrics
+
+    reporter = Reporter(
+        trackers, run_name=out.resolve().name, logging_dir=out / "trackers", config=config
+    )
+    stop = threading.Event()
+    patterns = [METRICS_FILE, f"iter-*/{METRICS_FILE}"]
+    thread = threading.Thread(
+        target=follow_metrics, args=(out, patterns, reporter, stop, 2.0), daemon=True
+    )
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        reporter.close()
 
 
 def _bad(exc: object) -> NoReturn:

@@ -14,9 +14,9 @@ from typing import Annotated
 
 import typer
 
-from legorl.records import JsonlWriter, Metric, Sample
+from legorl.records import JsonlWriter, Metric, Sample, write_jsonl
 
-from ._common import SkipBad, console, fail, iter_inputs
+from ._common import ReportTo, SkipBad, console, fail, iter_inputs
 
 HELP = "One or more policy-gradient steps (GSPO, GRPO, Dr.GRPO) on samples."
 
@@ -48,6 +48,16 @@ def train(
         Path | None,
         typer.Option("--metrics", help="Append Metric records here instead of stdout."),
     ] = None,
+    logprobs: Annotated[
+        Path | None,
+        typer.Option(
+            "--logprobs",
+            help="Append the trainer's log-probs of each sample's loss tokens here "
+            "(legorl inspect colours tokens by them); default: trainer_logprobs.jsonl beside "
+            "--metrics, else in --out.",
+            show_default=False,
+        ),
+    ] = None,
     push: Annotated[
         str | None,
         typer.Option("--push", help="Proxy URL: reload the new weights there after saving."),
@@ -62,9 +72,11 @@ def train(
     ] = False,
     skip_bad: SkipBad = False,
     strict: Annotated[bool, typer.Option(help="Stop at the first monitor alert.")] = False,
+    report_to: ReportTo = None,
 ) -> None:
     """One or more policy-gradient steps (GSPO, GRPO, Dr.GRPO) on samples."""
     from legorl.train.config import ConfigError, build_config
+    from legorl.train.trackers import TrackerError, parse_report_to
 
     overrides = [a for a in args or [] if _OVERRIDE.match(a) and not Path(a).exists()]
     paths = [Path(a) for a in args or [] if a not in overrides]
@@ -82,6 +94,10 @@ def train(
         fail("train", "--push needs --push-token (or LEGORL_ADMIN_TOKEN)", 2)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not [p for p in paths if str(p) != "-"]:
         fail("train", "several processes cannot share stdin: name the sample files", 2)
+    try:
+        trackers = parse_report_to(report_to)
+    except TrackerError as exc:
+        fail("train", str(exc), 2)
 
     from transformers.utils import logging as hf_logging
 
@@ -96,17 +112,29 @@ def train(
     # Correlation, clip fraction and reward alerts, to stderr and alerts.jsonl beside the output.
     alerts_dir = metrics.parent if metrics else (out or Path.cwd())
     monitor = Monitor(alerts_path=alerts_dir / "alerts.jsonl", strict=strict)
+    reporter = None
+    if trackers and int(os.environ.get("RANK", "0")) == 0:
+        from legorl.train.trackers import Reporter
+
+        run_name = (out or model).resolve().name
+        reporter = Reporter(
+            trackers, run_name=run_name, logging_dir=alerts_dir / "trackers", config=cfg.to_dict()
+        )
 
     def emit(metric: Metric) -> None:
         nonlocal writer
         if writer is None:
             writer = JsonlWriter(metrics)
         writer.write(metric)
+        if reporter is not None:
+            reporter(metric)
         monitor.observe_metric(metric)
 
     samples = iter_inputs("train", paths, Sample, skip_bad)
+    if logprobs is None and (metrics or out):
+        logprobs = alerts_dir / "trainer_logprobs.jsonl"
     try:
-        run_train(
+        result = run_train(
             samples,
             model=model,
             out=out,
@@ -123,3 +151,7 @@ def train(
     finally:
         if writer is not None:
             writer.close()
+        if reporter is not None:
+            reporter.close()
+    if logprobs is not None and result.logprobs:
+        write_jsonl(logprobs, result.logprobs)

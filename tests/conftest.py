@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 
 from legorl.records import (
+    Alert,
     EnvRecipe,
     Metric,
     Sample,
     Task,
     TokenCounts,
     ToolCall,
+    TrainerLogprobs,
     Trajectory,
     Turn,
     TurnFlags,
@@ -114,6 +116,15 @@ def example_records() -> list:
             reward=1.0,
         ),
         Metric(step=3, name="rollout_trainer_pearson", value=0.9993),
+        Alert(
+            kind="correlation",
+            message="rollout/trainer probability correlation 0.9700 < 0.99",
+            step=3,
+            value=0.97,
+            threshold=0.99,
+            time=1.5,
+        ),
+        TrainerLogprobs(sample_id="traj-1/0", logprobs=[-0.25, -1.5, -0.125, -3.0], step=3),
     ]
 
 

@@ -7,22 +7,26 @@ import io
 import math
 from pathlib import Path
 
-import orjson
 import pytest
 
 from legorl.monitors import (
-    Alert,
     Monitor,
     MonitorConfig,
     MonitorStop,
-    TrainerLogprobs,
     monitor_files,
     pearson,
     prob_pearson,
-    side_from_dict,
-    write_side,
 )
-from legorl.records import FieldError, Metric, Trajectory, write_jsonl
+from legorl.records import (
+    Alert,
+    FieldError,
+    Metric,
+    TrainerLogprobs,
+    Trajectory,
+    from_dict,
+    read_jsonl,
+    write_jsonl,
+)
 
 
 def traj(i: int, status: str = "ok", flags: list[str] | None = None) -> Trajectory:
@@ -57,7 +61,7 @@ def test_a_correlation_drop_alerts_once_on_stderr_and_in_the_file(tmp_path: Path
         "legorl monitor: ALERT [correlation] step 3: rollout/trainer probability correlation "
         "0.9700 < 0.99 (rollout_trainer_pearson): the trainer is not scoring what was sampled"
     )
-    written = [side_from_dict(orjson.loads(x)) for x in alerts.read_bytes().splitlines()]
+    written = list(read_jsonl(alerts, Alert))
     assert [(a.kind, a.step) for a in written] == [("correlation", 3), ("correlation", 7)]
     assert all(isinstance(a, Alert) and a.time > 0 for a in written)
 
@@ -182,14 +186,16 @@ def test_pearson() -> None:
     assert prob_pearson([-0.1, -1.0, -3.0], [-0.1, -1.0, -3.0]) == pytest.approx(1.0)
 
 
-def test_side_records_round_trip_and_reject_bad_lines(tmp_path: Path) -> None:
+def test_alert_and_trainer_logprobs_records_round_trip_and_reject_bad_lines(
+    tmp_path: Path,
+) -> None:
     path = tmp_path / "trainer.jsonl"
     rec = TrainerLogprobs(sample_id="s/0", logprobs=[-0.5, -1.0], step=3, policy_version=2)
-    write_side(path, [rec])
-    assert side_from_dict(orjson.loads(path.read_bytes())) == rec
-    with pytest.raises(FieldError, match="logprobs"):
-        side_from_dict({"schema": "legorl/trainer_logprobs@1", "sample_id": "s", "logprobs": ["x"]})
+    write_jsonl(path, [rec])
+    assert list(read_jsonl(path, TrainerLogprobs)) == [rec]
+    with pytest.raises(FieldError, match=r"logprobs\[0\]"):
+        from_dict({"schema": "legorl/trainer_logprobs@1", "sample_id": "s", "logprobs": ["x"]})
     with pytest.raises(FieldError, match="unknown field"):
-        side_from_dict({"schema": "legorl/alert@1", "kind": "hack", "message": "m", "colour": 1})
+        from_dict({"schema": "legorl/alert@1", "kind": "hack", "message": "m", "colour": 1})
     with pytest.raises(FieldError, match="schema"):
-        side_from_dict({"schema": "legorl/turn@1"})
+        from_dict({"schema": "legorl/turn@1", "kind": "hack", "message": "m"}, Alert)

@@ -9,6 +9,7 @@ Sandboxes are the real `local` (bubblewrap) backend.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -193,11 +194,31 @@ def test_kill_9_mid_run_then_resume_loses_nothing(tmp_path: Path) -> None:
     proc.wait()
     before = [t.trajectory_id for t in read_jsonl(out, Trajectory, skip_bad=True)]
     assert 2 <= len(before) < 6
+    # The killed process's own sandboxes (their folders name it as owner), none of anyone else's
+    from legorl.sandbox.common import state_root
+
+    def owned_by_killed() -> list[str]:
+        found = []
+        for owner in state_root().glob("legorl-*/owner.json"):
+            with contextlib.suppress(OSError, ValueError):
+                if json.loads(owner.read_text())["owner"].split(":")[1] == str(proc.pid):
+                    found.append(owner.parent.name)
+        return found
+
+    killed_boxes = owned_by_killed()
+    assert killed_boxes, "the kill landed while no sandbox was running"
     resumed = _cli(*args, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     after = [t.trajectory_id for t in read_jsonl(out, Trajectory, skip_bad=True)]
     assert after[: len(before)] == before and sorted(set(after)) == sorted(after)
     assert len(after) == 6
-    # Sandboxes of the killed process were cleaned up by the next start.
-    leftovers = subprocess.run(["pgrep", "-f", "bwrap.*legorl"], capture_output=True, text=True)
-    assert leftovers.stdout.strip() == ""
+    # Sandboxes of the killed process were cleaned up by the next start: folders and processes.
+    assert owned_by_killed() == []
+    for name in killed_boxes:
+        left = subprocess.run(["pgrep", "-f", name], capture_output=True, text=True)
+        assert left.stdout.strip() == "", f"{name} still runs"
+    # Resuming a finished run runs nothing and writes nothing.
+    finished = out.read_bytes()
+    again = _cli(*args, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert out.read_bytes() == finished

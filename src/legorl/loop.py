@@ -18,6 +18,7 @@ parameter, and ``--lr-groups`` gives some of them another lr.
 Layout under ``out``::
 
     iter-001/  trajectories.jsonl graded.jsonl samples.jsonl turns/ metrics.jsonl checkpoint/
+               trainer_logprobs.jsonl
     eval-before/  eval-after/  (trajectories.jsonl graded.jsonl turns/ eval.json)
     metrics.jsonl  loop.png  state.json  alerts.jsonl (with the first monitor alert)
 
@@ -57,7 +58,14 @@ from pathlib import Path
 from typing import Any
 
 from legorl.protocols import Limits, SandboxError
-from legorl.records import ENVIRONMENT_FAILURES, JsonlWriter, Metric, Trajectory, read_jsonl
+from legorl.records import (
+    ENVIRONMENT_FAILURES,
+    JsonlWriter,
+    Metric,
+    Trajectory,
+    read_jsonl,
+    write_jsonl,
+)
 from legorl.train.config import ConfigError, TrainConfig, build_config, parse_override
 
 STATE_FILE = "state.json"
@@ -883,6 +891,8 @@ class _Runner:
         )
         metrics_path = folder / METRICS_FILE
         metrics_path.unlink(missing_ok=True)  # a half-finished earlier try's lines
+        logprobs_path = folder / "trainer_logprobs.jsonl"
+        logprobs_path.unlink(missing_ok=True)
         ckpt = folder / "checkpoint"
         pearson: float | None = None
         trained = False
@@ -896,7 +906,7 @@ class _Runner:
                     pearson = m.value
 
             def run_train(out: Path | None) -> Any:
-                return train(
+                result = train(
                     samples,
                     model=self.model_path,
                     out=out,
@@ -907,6 +917,8 @@ class _Runner:
                     log=lambda msg: self.log(f"iteration {k}: train: {msg}"),
                     run={"loop_iteration": k, "loop_out": str(self.out)},
                 )
+                write_jsonl(logprobs_path, result.logprobs)  # for legorl inspect's token view
+                return result
 
             try:
                 if trainable:

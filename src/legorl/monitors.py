@@ -15,9 +15,7 @@ call that raised an alert then raises ``MonitorStop``, whose message says what s
 
 ``legorl inspect`` runs a monitor over the files it shows; ``monitor_files`` does the same once.
 
-This module also defines the two side records the viewer reads besides ``legorl.records``:
-``Alert`` and ``TrainerLogprobs`` (the trainer's recomputed log-probs of a Sample's loss tokens,
-one ``legorl/trainer_logprobs@1`` line per sample, so the token view can colour by |Δ log-prob|).
+``Alert`` (the ``legorl/alert@1`` record) lives in ``legorl.records`` with the other records.
 """
 
 from __future__ import annotations
@@ -29,96 +27,15 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, ClassVar, Literal
+from typing import IO, Any, Literal
 
-import orjson
-
-from legorl.records import ENVIRONMENT_FAILURES, FieldError, Metric, Record, Trajectory
+from legorl.records import ENVIRONMENT_FAILURES, Alert, Metric, Record, Trajectory, write_jsonl
 
 AlertKind = Literal[
     "correlation", "crash_rate", "hack", "reward_collapse", "clip_spike", "engine_errors"
 ]
-
-# --------------------------------------------------------------------------------------------
-# Side records
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True, kw_only=True)
-class Alert:
-    """One monitor alert, as written to ``alerts.jsonl``."""
-
-    SCHEMA: ClassVar[str] = "legorl/alert@1"
-    schema: str = SCHEMA
-    kind: str  # an AlertKind
-    message: str
-    step: int | None = None  # training step, for alerts raised by a metric
-    trajectory_id: str | None = None  # for alerts raised by a trajectory
-    value: float | None = None  # the observed figure
-    threshold: float | None = None
-    time: float = 0.0
-
-    def line(self) -> str:
-        where = f"step {self.step}: " if self.step is not None else ""
-        if self.trajectory_id and self.kind == "hack":
-            where = f"{self.trajectory_id}: "
-        return f"legorl monitor: ALERT [{self.kind}] {where}{self.message}"
-
-
-@dataclass(slots=True, kw_only=True)
-class TrainerLogprobs:
-    """The trainer's recomputed log-probs for one Sample's loss tokens, in the same order as
-    ``Sample.rollout_logprobs`` (one value per ``loss_mask == 1`` position)."""
-
-    SCHEMA: ClassVar[str] = "legorl/trainer_logprobs@1"
-    schema: str = SCHEMA
-    sample_id: str
-    logprobs: list[float]
-    step: int = 0
-    policy_version: int = 0
-
-
-SIDE_SCHEMAS: dict[str, type] = {Alert.SCHEMA: Alert, TrainerLogprobs.SCHEMA: TrainerLogprobs}
-
-
-def side_from_dict(data: dict[str, Any]) -> Alert | TrainerLogprobs:
-    """Build an ``Alert`` or ``TrainerLogprobs`` from a decoded line; raises ``FieldError``."""
-    schema = data.get("schema")
-    if schema == Alert.SCHEMA:
-        for key in ("kind", "message"):
-            if not isinstance(data.get(key), str):
-                raise FieldError(key, "expected a string")
-        known = {f for f in Alert.__dataclass_fields__}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise FieldError(unknown[0], "unknown field for Alert")
-        return Alert(**{k: v for k, v in data.items() if k != "schema"})
-    if schema == TrainerLogprobs.SCHEMA:
-        if not isinstance(data.get("sample_id"), str):
-            raise FieldError("sample_id", "expected a string")
-        lps = data.get("logprobs")
-        if not isinstance(lps, list) or not all(type(x) in (int, float) for x in lps):
-            raise FieldError("logprobs", "expected a list of numbers")
-        return TrainerLogprobs(
-            sample_id=data["sample_id"],
-            logprobs=[float(x) for x in lps],
-            step=int(data.get("step", 0)),
-            policy_version=int(data.get("policy_version", 0)),
-        )
-    raise FieldError("schema", f"not a side record schema: {schema!r}")
-
-
-def write_side(path: str | os.PathLike[str], records: Iterable[Alert | TrainerLogprobs]) -> None:
-    """Append side records to ``path`` as whole, flushed lines (like ``records.JsonlWriter``)."""
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        for rec in records:
-            os.write(fd, orjson.dumps(asdict(rec)) + b"\n")
-    finally:
-        os.close(fd)
-
 
 # --------------------------------------------------------------------------------------------
 # Statistics
@@ -410,7 +327,7 @@ class Monitor:
                 print(alert.line(), file=self.stream, flush=True)
         if self.alerts_path is not None:
             self.alerts_path.parent.mkdir(parents=True, exist_ok=True)
-            write_side(self.alerts_path, new)
+            write_jsonl(self.alerts_path, new)
         if self.strict:
             raise MonitorStop(new[0])
         return new
@@ -435,10 +352,7 @@ __all__ = [
     "Monitor",
     "MonitorConfig",
     "MonitorStop",
-    "TrainerLogprobs",
     "monitor_files",
     "pearson",
     "prob_pearson",
-    "side_from_dict",
-    "write_side",
 ]

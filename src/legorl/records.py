@@ -262,7 +262,50 @@ class Metric(Record):
     source: str = "train"
 
 
-RECORD_TYPES: tuple[type[Record], ...] = (Task, Turn, Trajectory, Sample, Metric)
+@dataclass(slots=True, kw_only=True)
+class Alert(Record):
+    """One monitor alert, as ``legorl.monitors`` writes it to ``alerts.jsonl``."""
+
+    SCHEMA: ClassVar[str] = "legorl/alert@1"
+    schema: str = SCHEMA
+    kind: str  # a legorl.monitors.AlertKind
+    message: str
+    step: int | None = None  # training step, for alerts raised by a metric
+    trajectory_id: str | None = None  # for alerts raised by a trajectory
+    value: float | None = None  # the observed figure
+    threshold: float | None = None
+    time: float = 0.0
+
+    def line(self) -> str:
+        where = f"step {self.step}: " if self.step is not None else ""
+        if self.trajectory_id and self.kind == "hack":
+            where = f"{self.trajectory_id}: "
+        return f"legorl monitor: ALERT [{self.kind}] {where}{self.message}"
+
+
+@dataclass(slots=True, kw_only=True)
+class TrainerLogprobs(Record):
+    """The trainer's recomputed log-probs for one Sample's loss tokens, in the order of
+    ``Sample.rollout_logprobs`` (one per ``loss_mask == 1`` position), under the weights the
+    train call started from (π_old); ``legorl inspect`` colours tokens by |Δ log-prob|."""
+
+    SCHEMA: ClassVar[str] = "legorl/trainer_logprobs@1"
+    schema: str = SCHEMA
+    sample_id: str
+    logprobs: list[float]  # [sum(loss_mask)]
+    step: int = 0  # the optimizer step they were scored before
+    policy_version: int = 0
+
+
+RECORD_TYPES: tuple[type[Record], ...] = (
+    Task,
+    Turn,
+    Trajectory,
+    Sample,
+    Metric,
+    Alert,
+    TrainerLogprobs,
+)
 SCHEMAS: dict[str, type[Record]] = {cls.SCHEMA: cls for cls in RECORD_TYPES}
 #: Short names for the CLI (``--schema turn``).
 SHORT_NAMES: dict[str, type[Record]] = {cls.__name__.lower(): cls for cls in RECORD_TYPES}

@@ -21,12 +21,13 @@ import pytest
 
 from legorl.engines import make_engine
 from legorl.engines.models import load_model, token_logprobs
-from legorl.monitors import Monitor, TrainerLogprobs, write_side
+from legorl.monitors import Monitor
 from legorl.proxy.core import ProxyConfig, ProxyCore
 from legorl.records import (
     Metric,
     Sample,
     TokenCounts,
+    TrainerLogprobs,
     Trajectory,
     Turn,
     read_jsonl,
@@ -231,7 +232,7 @@ def make_run(root: Path) -> RunFiles:
         if s.sample_id == "traj-0/1":  # a trainer that disagrees on a few tokens
             lps = [lp + 3.0 if i % 3 == 0 else lp for i, lp in enumerate(lps)]
         side.append(TrainerLogprobs(sample_id=s.sample_id, logprobs=lps, step=0))
-    write_side(files.trainer, side)
+    write_jsonl(files.trainer, side)
     metrics = []
     for step in range(10):
         corr = 0.9995 if step < 7 else 0.95

@@ -1,6 +1,7 @@
 """Benchmarks for `nox -s bench`: each measures legorl beside a baseline in the same run.
 
     python -m legorl.bench --out bench.json [--only records_io|proxy] [--records-mb 1024]
+    python -m legorl.bench --quick --out bench.json   # every section, small: the CI smoke test
 
 Every benchmark returns plain numbers and the ratios the issues set targets on; the report is
 one JSON file. Wall-clock figures on these shared machines are noisy, so each rate is the median
@@ -89,12 +90,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--records-mb",
         type=float,
-        default=1024.0,
-        help="MB of Turn records written and read per pass (default 1 GB)",
+        default=None,
+        help="MB of Turn records written and read per pass (default 1 GB; 16 MB with --quick)",
     )
     parser.add_argument("--passes", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="smaller runs, for a smoke test")
     args = parser.parse_args(argv)
+    if args.records_mb is None:
+        args.records_mb = 16.0 if args.quick else 1024.0
     report: dict[str, Any] = {
         "legorl": __version__,
         "python": platform.python_version(),

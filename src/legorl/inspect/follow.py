@@ -1,6 +1,6 @@
 """Follow growing JSONL files like ``tail -f``: each ``poll`` returns the records of the whole
-lines appended since the last one, validated by ``legorl.records`` (and the monitor's side
-records, ``legorl/alert@1`` and ``legorl/trainer_logprobs@1``).
+lines appended since the last one, validated by ``legorl.records`` (alerts and the trainer's
+log-probs included).
 
 A line without its newline yet is held back until the writer finishes it, so a file being
 written is never reported as truncated. A file that shrinks or is replaced is read again from
@@ -17,7 +17,6 @@ from typing import Any
 
 import orjson
 
-from legorl.monitors import SIDE_SCHEMAS, side_from_dict
 from legorl.records import FieldError, RecordError, from_dict
 
 #: Bytes read per poll at most, so a huge file loads over several polls and the UI stays live.
@@ -26,7 +25,7 @@ CHUNK_BYTES = 8 * 1024 * 1024
 
 @dataclass(slots=True)
 class Line:
-    """One parsed line: a record (``legorl.records`` or a side record) or the error it raised."""
+    """One parsed line: a ``legorl.records`` record or the error it raised."""
 
     lineno: int
     record: Any | None
@@ -82,8 +81,6 @@ class FileFollower:
         except orjson.JSONDecodeError as exc:
             return Line(lineno, None, RecordError(name, lineno, f"malformed JSON: {exc}"))
         try:
-            if isinstance(data, dict) and data.get("schema") in SIDE_SCHEMAS:
-                return Line(lineno, side_from_dict(data))
             return Line(lineno, from_dict(data))
         except FieldError as exc:
             return Line(lineno, None, RecordError(name, lineno, str(exc), exc.field_name))

@@ -31,13 +31,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from legorl.monitors import Alert, Monitor, TrainerLogprobs, prob_pearson
+from legorl.monitors import Monitor, prob_pearson
 from legorl.records import (
     ENVIRONMENT_FAILURES,
+    Alert,
     Metric,
     Record,
     RecordError,
     Sample,
+    TrainerLogprobs,
     Trajectory,
     Turn,
     read_jsonl,
@@ -113,7 +115,7 @@ class RunStore:
 
     # ---- ingest -------------------------------------------------------------------------
 
-    def add(self, record: Record | Alert | TrainerLogprobs, source: Path) -> None:
+    def add(self, record: Record, source: Path) -> None:
         kind = type(record).__name__
         self.counts[kind] = self.counts.get(kind, 0) + 1
         self.version += 1

@@ -37,17 +37,17 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from legorl.records import Metric, Sample
+from legorl.records import Metric, Sample, TrainerLogprobs
 from legorl.train.config import TrainConfig, dump_config
 from legorl.train.correction import correction_weights, mismatch_metrics
 from legorl.train.data import Batch, prepare_batch
-from legorl.train.losses import episode_sums, policy_loss
+from legorl.train.losses import LossOut, episode_sums, policy_loss
 from legorl.train.model import TokenScorer, load_policy
 from legorl.train.packing import MicroBatch, build_micro_batch, pack_lengths, padded_length
 
@@ -73,6 +73,7 @@ class TrainResult:
     checkpoint: Path | None
     policy_version: int | None
     metrics: list[Metric] = field(default_factory=list)
+    logprobs: list[TrainerLogprobs] = field(default_factory=list)  # π_old per sample (main)
 
 
 # --------------------------------------------------------------------------------------------
@@ -463,6 +464,256 @@ def push_weights(push: Push, checkpoint: Path, timeout: float = 600.0) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# One step's pieces: the loss of a micro-batch, its statistics, the step's metrics
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Tokens:
+    """What the call knows per flat loss token ([N], in ``Batch`` order)."""
+
+    batch: Batch
+    config: TrainConfig
+    old: torch.Tensor  # [N] log π_old, NaN until scored
+    adv: torch.Tensor  # [N] the token's episode advantage
+
+    def weights(self, idx: torch.Tensor) -> torch.Tensor:
+        """Correction × sample weight of the tokens ``idx`` (π_old must be known there)."""
+        c = self.config
+        w = correction_weights(
+            self.old[idx],
+            self.batch.mu[idx],
+            self.batch.token_episode[idx],
+            len(self.batch.episode_ids),
+            c.correction,
+            tis_cap=c.tis_cap,
+            token_low=c.token_mask_low,
+            token_high=c.token_mask_high,
+            seq_low=c.seq_mask_low,
+            seq_high=c.seq_mask_high,
+        )
+        return w * self.batch.token_weight[idx]
+
+
+@dataclass
+class StepInputs:
+    """What every micro-batch of one step shares."""
+
+    plan: StepPlan
+    fresh: bool  # π_old comes from this step's own forward (θ = θ_old)
+    ep_tokens: torch.Tensor | None  # [E] kept tokens per episode; None: known per micro-batch
+    current: torch.Tensor | None  # [N] no-grad log π_θ of split episodes (GSPO after step 1)
+    fresh_old: torch.Tensor  # [N] π_old this process scored in a fresh step, 0 elsewhere
+
+
+def step_inputs(tokens: Tokens, plan: StepPlan, fresh: bool, current: Any) -> StepInputs:
+    """The step's sequence-level normalisers, the same on every process: kept loss tokens per
+    episode (seq-mean-token-mean, the GSPO ratio); a masking correction in a fresh step knows
+    them only after the forward (its episodes are whole in a micro-batch then)."""
+    batch, config = tokens.batch, tokens.config
+    ep_tokens = None
+    if not (fresh and config.correction in ("token_mask", "seq_mask")):
+        w_all = batch.token_weight[plan.tokens] if fresh else tokens.weights(plan.tokens)
+        ep_tokens = episode_sums(
+            (w_all > 0).float(), batch.token_episode[plan.tokens], len(batch.episode_ids)
+        )
+    fresh_old = torch.zeros(batch.n_tokens, dtype=torch.float32)
+    return StepInputs(plan, fresh, ep_tokens, current, fresh_old)
+
+
+def micro_batch_loss(
+    mb: MicroBatch,
+    logp: torch.Tensor,  # [n] log π_θ of mb's loss tokens, with grad
+    entropy: torch.Tensor | None,  # [n]
+    tokens: Tokens,
+    step: StepInputs,
+    ref: Any,
+    device: Any,
+) -> tuple[LossOut, torch.Tensor]:
+    """The policy loss of one micro-batch and which of its tokens take part ([n] bool)."""
+    batch, config = tokens.batch, tokens.config
+    E = len(batch.episode_ids)
+    idx = mb.token_index
+    ep = batch.token_episode[idx].to(device)
+    if step.fresh:  # π_old is this very forward, detached
+        step.fresh_old[idx] = tokens.old[idx] = logp.detach().cpu()
+    w = tokens.weights(idx).to(device)
+    ept = episode_sums((w > 0).float(), ep, E) if step.ep_tokens is None else step.ep_tokens
+    rest = None
+    if step.current is not None:
+        # GSPO's ratio of an episode split over micro-batches needs the current log-probs of
+        # its tokens elsewhere
+        plan = step.plan
+        here = torch.isin(batch.token_episode[plan.tokens], batch.token_episode[idx].unique())
+        away = plan.tokens[here & ~torch.isin(plan.tokens, idx)]
+        diff = torch.where(tokens.weights(away) > 0, step.current[away] - tokens.old[away], 0.0)
+        rest = episode_sums(diff, batch.token_episode[away], E).to(device)
+    ref_logp = None
+    if ref is not None:
+        with torch.no_grad():
+            ref_logp = _score(ref, mb, config, device)[0].float()
+    gspo = config.algorithm == "gspo"
+    res = policy_loss(
+        config.algorithm,
+        logp,
+        tokens.old[idx].to(device),
+        tokens.adv[idx].to(device),
+        ep,
+        w,
+        ept.to(device),
+        float(len(step.plan.episodes)),
+        clip_low=config.gspo_clip_low if gspo else config.ppo_clip_low,
+        clip_high=config.gspo_clip_high if gspo else config.ppo_clip_high,
+        norm_tokens=float(step.plan.norm_tokens),
+        rest=rest,
+        ref=ref_logp,
+        kl_coef=config.kl_coef,
+        entropy=entropy.float() if entropy is not None else None,
+        entropy_coef=config.entropy_coef,
+    )
+    return res, w > 0
+
+
+@dataclass
+class StepStats:
+    """Sums over one step's micro-batches (of every process once ``reduce``d)."""
+
+    loss: float = 0.0
+    pg_loss: float = 0.0
+    clipped: float = 0.0  # kept tokens whose clipped branch won
+    kept: float = 0.0  # tokens that take part in the loss
+    entropy: float = 0.0  # Σ entropy over kept tokens
+    kl: float = 0.0  # Σ k3 KL to the reference over kept tokens
+
+    def add(self, res: LossOut, keep: torch.Tensor, entropy: torch.Tensor | None) -> None:
+        self.loss += float(res.loss.detach())
+        self.pg_loss += float(res.policy)
+        self.clipped += float(res.terms.clipped.sum())
+        self.kept += float(keep.sum())
+        self.entropy += float(entropy.detach()[keep].sum()) if entropy is not None else 0.0
+        self.kl += float(res.kl[keep].sum()) if res.kl is not None else 0.0
+
+    def reduce(self, accelerator: Any) -> StepStats:
+        names = [f.name for f in fields(self)]
+        packed = torch.tensor([getattr(self, n) for n in names], dtype=torch.float64)
+        summed = accelerator.reduce(packed.to(accelerator.device), "sum").cpu().tolist()
+        return StepStats(**dict(zip(names, summed, strict=True)))
+
+
+@dataclass
+class StepTiming:
+    step_s: float
+    step_cpu_s: float  # this process's CPU time: steadier on a shared CPU
+    old_logprob_s: float  # the no-grad π_old pass, counted on the first step
+
+
+def step_metrics(
+    stats: StepStats,
+    plan: StepPlan,
+    tokens: Tokens,
+    *,
+    grad_norm: float,
+    timing: StepTiming,
+    has_ref: bool,
+    updated: bool,
+) -> dict[str, float | None]:
+    """The Metric values of one step, in the order they are written."""
+    batch, kept = tokens.batch, max(stats.kept, 1.0)
+    fidelity = mismatch_metrics(
+        tokens.old[plan.tokens], batch.mu[plan.tokens], tokens.weights(plan.tokens)
+    )
+    return {
+        **fidelity,
+        "loss": stats.loss,
+        "pg_loss": stats.pg_loss,
+        "clip_fraction": stats.clipped / kept,
+        "entropy": stats.entropy / kept,
+        "kl_ref": stats.kl / kept if has_ref else None,
+        "grad_norm": grad_norm,
+        "lr": tokens.config.lr,
+        **_batch_metrics(batch),
+        "advantage_std": float(batch.advantage[plan.episodes].std(unbiased=False)),
+        "episodes": float(len(plan.episodes)),
+        "loss_tokens": float(plan.tokens.numel()),
+        "tokens": float(plan.real_tokens),
+        "tokens_per_s": plan.real_tokens / timing.step_s if timing.step_s > 0 else None,
+        "step_s": timing.step_s,
+        "step_cpu_s": timing.step_cpu_s,
+        "old_logprob_s": timing.old_logprob_s,
+        "micro_batches": float(plan.all_micro),
+        "padding_waste": plan.pad_tokens / max(plan.pad_tokens + plan.real_tokens, 1),
+        "peak_memory_mb": _peak_memory_mb(),
+        "updated": 1.0 if updated else 0.0,
+    }
+
+
+def trainer_logprobs(tokens: Tokens, step: int) -> list[TrainerLogprobs]:
+    """π_old of each sample's loss tokens, for ``legorl inspect`` (samples with a token no
+    process scored are left out)."""
+    batch, out = tokens.batch, []
+    for i, sample in enumerate(batch.samples):
+        start = batch.token_offset[i]
+        lps = tokens.old[start : start + len(sample.rollout_logprobs)]
+        if not bool(lps.isnan().any()):
+            out.append(
+                TrainerLogprobs(
+                    sample_id=sample.sample_id,
+                    logprobs=lps.tolist(),
+                    step=step,
+                    policy_version=sample.policy_version,
+                )
+            )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Resume
+# --------------------------------------------------------------------------------------------
+
+
+def resume_optimizer(
+    optimizer: torch.optim.Optimizer,
+    groups: list[dict[str, Any]],
+    state: dict[str, Any],
+    model_dir: Path,
+    config: TrainConfig,
+) -> bool:
+    """Load ``optimizer.pt`` from ``model_dir`` when it was saved for the same tensors, grouped
+    the same way; this call's lrs, betas, eps and weight decay win over the saved ones. Returns
+    whether there was one; raises TrainError when it belongs to other tensors."""
+    path = model_dir / OPTIMIZER_FILE
+    if not path.is_file():
+        return False
+    # Adam's moments belong to the tensors that were trained (another train_params would give
+    # them to other tensors, silently where the counts and shapes agree); a scalar factor's are
+    # not a whole tensor's; lr_groups' regexes sort them into the groups (their lrs may change)
+    saved = {
+        "train_params": (
+            state.get("train_params", ""),
+            config.train_params,
+            "train the same parameters",
+        ),
+        "scale_only": (state.get("scale_only", ""), config.scale_only, "train the same way"),
+        "lr_groups regexes": (
+            state.get("lr_group_patterns", []),
+            [pattern for pattern, _ in config.lr_group_entries()],
+            "group the same parameters (other lrs are fine)",
+        ),
+    }
+    for what, (was, now, fix) in saved.items():
+        if was != now:
+            shown = (repr(was), repr(now)) if isinstance(now, str) else (was, now)
+            raise TrainError(
+                f"{path}: saved for {what} {shown[0]}, not {shown[1]}; {fix}, or resume=false"
+            )
+    optimizer.load_state_dict(torch.load(path, weights_only=True))
+    for group, built in zip(optimizer.param_groups, groups, strict=True):
+        group.update(lr=built["lr"], weight_decay=config.weight_decay, eps=config.adam_eps)
+        group["betas"] = (config.adam_beta1, config.adam_beta2)
+    return True
+
+
+# --------------------------------------------------------------------------------------------
 # The loop
 # --------------------------------------------------------------------------------------------
 
@@ -516,7 +767,6 @@ def train(
         raise TrainError("scale_only: not built for FSDP; leave it empty there")
     params = scale_only_parameters(lm, params, config)
     groups = lr_param_groups(lm, params, config)
-    group_patterns = [pattern for pattern, _ in config.lr_group_entries()]  # sort the moments
     optimizer = torch.optim.AdamW(
         groups,
         lr=config.lr,
@@ -529,34 +779,7 @@ def train(
     # so FSDP runs restart the Adam moments at every call (said on stderr)
     if fsdp:
         say("FSDP: the optimizer state is neither loaded nor saved (not built yet)")
-    if config.resume and not fsdp and (model_dir / OPTIMIZER_FILE).is_file():
-        # Adam's moments belong to the tensors that were trained; another train_params would
-        # give them to other tensors, silently where the counts and shapes happen to agree
-        saved = state.get("train_params", "")
-        if saved != config.train_params:
-            raise TrainError(
-                f"{model_dir / OPTIMIZER_FILE}: saved for train_params {saved!r}, not "
-                f"{config.train_params!r}; train the same parameters, or resume=false"
-            )
-        # a scalar factor's moments are not a whole tensor's
-        saved_scale = state.get("scale_only", "")
-        if saved_scale != config.scale_only:
-            raise TrainError(
-                f"{model_dir / OPTIMIZER_FILE}: saved for scale_only {saved_scale!r}, not "
-                f"{config.scale_only!r}; train the same way, or resume=false"
-            )
-        # and lr_groups' regexes sort them into the groups (their lrs may change)
-        saved_groups = state.get("lr_group_patterns", [])
-        if saved_groups != group_patterns:
-            raise TrainError(
-                f"{model_dir / OPTIMIZER_FILE}: saved for lr_groups regexes {saved_groups}, not "
-                f"{group_patterns}; group the same parameters (other lrs are fine), or resume=false"
-            )
-        optimizer.load_state_dict(torch.load(model_dir / OPTIMIZER_FILE, weights_only=True))
-        for group, built in zip(optimizer.param_groups, groups, strict=True):
-            # this call's config wins over the saved one
-            group.update(lr=built["lr"], weight_decay=config.weight_decay, eps=config.adam_eps)
-            group["betas"] = (config.adam_beta1, config.adam_beta2)
+    elif config.resume and resume_optimizer(optimizer, groups, state, model_dir, config):
         say(f"resumed optimizer state from {model_dir / OPTIMIZER_FILE}")
     scorer, optimizer = accelerator.prepare(scorer, optimizer)
     ref = None
@@ -588,25 +811,13 @@ def train(
         config.mini_batch_episodes, shuffle=config.shuffle, seed=config.seed
     )
     plans = [plan_step(batch, c, config, rank, world, pad_id) for c in chunks if c]
-    N, E = batch.n_tokens, len(batch.episode_ids)
-    old = torch.full((N,), math.nan)  # π_old per flat loss token, filled below
-    tok_adv = batch.advantage[batch.token_episode] if N else torch.zeros(0)
-
-    def weights_for(idx: torch.Tensor) -> torch.Tensor:
-        """Correction × sample weight of the tokens ``idx`` (π_old must be known there)."""
-        w = correction_weights(
-            old[idx],
-            batch.mu[idx],
-            batch.token_episode[idx],
-            E,
-            config.correction,
-            tis_cap=config.tis_cap,
-            token_low=config.token_mask_low,
-            token_high=config.token_mask_high,
-            seq_low=config.seq_mask_low,
-            seq_high=config.seq_mask_high,
-        )
-        return w * batch.token_weight[idx]
+    N = batch.n_tokens
+    tokens = Tokens(
+        batch,
+        config,
+        old=torch.full((N,), math.nan),
+        adv=batch.advantage[batch.token_episode] if N else torch.zeros(0),
+    )
 
     # π_old of the first mini-batch may come from its own first forward (θ = θ_old there), unless
     # a masking correction needs the whole of an episode that is split over micro-batches
@@ -620,176 +831,90 @@ def train(
         if k == 0 and fuse_first:
             continue
         scored = _score_all(accelerator, scorer, plan.mine, plan.n_micro, N, config, pad_id)
-        old = torch.where(scored.isnan(), old, scored)
+        tokens.old = torch.where(scored.isnan(), tokens.old, scored)
     old_pass_s = time.perf_counter() - t0
 
     # ---- the loop ---------------------------------------------------------------------------
     updated = False
     device = accelerator.device
+    want_entropy = "grad" if config.entropy_coef > 0 else "value"  # a gradient only in the loss
     for i in range(config.steps if plans else 0):
         plan = plans[i % len(plans)]
         step = global_step + 1
-        fresh = i == 0 and fuse_first  # π_old of this step comes from its own forward
         _reset_peak_memory()
         t_step, cpu_step = time.perf_counter(), time.process_time()
-
-        # Sequence-level normalisers over the whole step, the same on every process: kept loss
-        # tokens per episode (seq-mean-token-mean, the GSPO ratio) and the episode count G.
-        G = float(len(plan.episodes))
-        if fresh and config.correction in ("token_mask", "seq_mask"):
-            ep_tokens = None  # known only after the forward; episodes are whole in a micro-batch
-        else:
-            w_all = batch.token_weight[plan.tokens] if fresh else weights_for(plan.tokens)
-            ep_tokens = episode_sums((w_all > 0).float(), batch.token_episode[plan.tokens], E)
-        # GSPO on an episode split over micro-batches, after the first update: its ratio needs the
-        # current log-probs of the parts not in the micro-batch at hand (a no-grad pass over the
-        # micro-batches that hold such episodes)
         current = None
         if config.algorithm == "gspo" and plan.spanning and i != 0:
             current = _score_all(
                 accelerator, scorer, plan.mine_spanning, plan.n_spanning, N, config, pad_id
             )
+        inputs = step_inputs(tokens, plan, i == 0 and fuse_first, current)
 
-        stats = torch.zeros(6, dtype=torch.float64)  # loss, pg, clipped, kept, entropy, kl
-        fresh_old = torch.zeros(N, dtype=torch.float32)
+        stats = StepStats()
         work = plan.mine + [_empty_micro_batch(pad_id)] * (plan.n_micro - len(plan.mine))
         for j, mb in enumerate(work):
-            last = j == len(work) - 1  # gradients are averaged across processes only here
-            with (
-                contextlib.nullcontext() if last else accelerator.no_sync(scorer),
-                accelerator.autocast(),
-            ):
-                # log π_θ (and the entropy, with a gradient only when it is in the loss)
-                want = "grad" if config.entropy_coef > 0 else "value"
-                logp, entropy = _score(scorer, mb, config, device, entropy=want)
-                logp = logp.float()
+            # gradients are averaged across processes only at the last micro-batch
+            sync = contextlib.nullcontext() if j == len(work) - 1 else accelerator.no_sync(scorer)
+            with sync, accelerator.autocast():
+                logp, entropy = _score(scorer, mb, config, device, entropy=want_entropy)
                 if mb.n_loss == 0:  # an empty micro-batch keeps this process in step
-                    accelerator.backward(logp.sum() * 0.0)
+                    accelerator.backward(logp.float().sum() * 0.0)
                     continue
-                idx = mb.token_index
-                ep = batch.token_episode[idx].to(device)
-                # π_old: this very forward, detached (fresh), or the no-grad pass before step 1
-                if fresh:
-                    fresh_old[idx] = old[idx] = logp.detach().cpu()
-                pi_old = old[idx].to(device)
-                w = weights_for(idx).to(device)
-                if ep_tokens is None:
-                    ept = episode_sums((w > 0).float(), ep, E)
-                else:
-                    ept = ep_tokens.to(device)
-                rest = None
-                if current is not None:
-                    # the tokens elsewhere of this micro-batch's split episodes
-                    here_eps = batch.token_episode[idx].unique()
-                    mine = torch.isin(batch.token_episode[plan.tokens], here_eps)
-                    away = plan.tokens[mine & ~torch.isin(plan.tokens, idx)]
-                    diff = torch.where(weights_for(away) > 0, current[away] - old[away], 0.0)
-                    rest = episode_sums(diff, batch.token_episode[away], E).to(device)
-                ref_logp = None
-                if ref is not None:
-                    with torch.no_grad():
-                        ref_logp = _score(ref, mb, config, device)[0].float()
-                # loss
-                gspo = config.algorithm == "gspo"
-                res = policy_loss(
-                    config.algorithm,
-                    logp,
-                    pi_old,
-                    tok_adv[idx].to(device),
-                    ep,
-                    w,
-                    ept,
-                    G,
-                    clip_low=config.gspo_clip_low if gspo else config.ppo_clip_low,
-                    clip_high=config.gspo_clip_high if gspo else config.ppo_clip_high,
-                    norm_tokens=float(plan.norm_tokens),
-                    rest=rest,
-                    ref=ref_logp,
-                    kl_coef=config.kl_coef,
-                    entropy=entropy.float() if entropy is not None else None,
-                    entropy_coef=config.entropy_coef,
-                )
-                # backward; DDP/FSDP average over processes, so scale to make that average the
-                # loss of the whole step
+                res, keep = micro_batch_loss(mb, logp.float(), entropy, tokens, inputs, ref, device)
+                # DDP/FSDP average over processes: scale so the average is the whole step's loss
                 accelerator.backward(res.loss * world)
-            keep = w > 0
-            stats += torch.tensor(
-                [
-                    float(res.loss.detach()),
-                    float(res.policy),
-                    float(res.terms.clipped.sum()),
-                    float(keep.sum()),
-                    float(entropy.detach()[keep].sum()) if entropy is not None else 0.0,
-                    float(res.kl[keep].sum()) if res.kl is not None else 0.0,
-                ],
-                dtype=torch.float64,
-            )
-        if fresh:  # every process now learns π_old of the tokens the others scored
-            gathered = accelerator.reduce(fresh_old.to(device), "sum").cpu()
-            old[plan.tokens] = gathered[plan.tokens]
-        stats = accelerator.reduce(stats.to(device), "sum").cpu()
+            stats.add(res, keep, entropy)
+        if inputs.fresh:  # every process now learns π_old of the tokens the others scored
+            gathered = accelerator.reduce(inputs.fresh_old.to(device), "sum").cpu()
+            tokens.old[plan.tokens] = gathered[plan.tokens]
+        stats = stats.reduce(accelerator)
 
-        # clip, step
         grad_norm = float(accelerator.clip_grad_norm_(scorer.parameters(), config.max_grad_norm))
         if not dry_run:
             optimizer.step()
             updated = True
             global_step = step
         optimizer.zero_grad(set_to_none=True)
-        step_s, step_cpu_s = time.perf_counter() - t_step, time.process_time() - cpu_step
 
-        # metrics
-        fidelity = mismatch_metrics(
-            old[plan.tokens], batch.mu[plan.tokens], weights_for(plan.tokens)
+        timing = StepTiming(
+            step_s=time.perf_counter() - t_step,
+            step_cpu_s=time.process_time() - cpu_step,
+            old_logprob_s=old_pass_s if i == 0 else 0.0,
         )
-        kept_tokens = max(float(stats[3]), 1.0)
-        step_values: dict[str, float | None] = {
-            **fidelity,
-            "loss": float(stats[0]),
-            "pg_loss": float(stats[1]),
-            "clip_fraction": float(stats[2]) / kept_tokens,
-            "entropy": float(stats[4]) / kept_tokens,
-            "kl_ref": float(stats[5]) / kept_tokens if ref is not None else None,
-            "grad_norm": grad_norm,
-            "lr": config.lr,
-            **_batch_metrics(batch),
-            "advantage_std": float(batch.advantage[plan.episodes].std(unbiased=False)),
-            "episodes": G,
-            "loss_tokens": float(plan.tokens.numel()),
-            "tokens": float(plan.real_tokens),
-            "tokens_per_s": plan.real_tokens / step_s if step_s > 0 else None,
-            "step_s": step_s,
-            "step_cpu_s": step_cpu_s,  # this process's CPU time: steadier on a shared CPU
-            "old_logprob_s": old_pass_s if i == 0 else 0.0,
-            "micro_batches": float(plan.all_micro),
-            "padding_waste": plan.pad_tokens / max(plan.pad_tokens + plan.real_tokens, 1),
-            "peak_memory_mb": _peak_memory_mb(),
-            "updated": 0.0 if dry_run else 1.0,
-        }
-        for name, value in step_values.items():
+        values = step_metrics(
+            stats,
+            plan,
+            tokens,
+            grad_norm=grad_norm,
+            timing=timing,
+            has_ref=ref is not None,
+            updated=not dry_run,
+        )
+        for name, value in values.items():
             record(step, name, value)
         say(
-            f"step {step}: loss {step_values['loss']:.4g}, grad norm {grad_norm:.3g}, "
-            f"pearson {_fmt(fidelity['rollout_trainer_pearson'])}, "
-            f"reward {_fmt(step_values['reward_mean'])}, {plan.real_tokens} tokens in "
-            f"{step_s:.2f}s" + (" (dry run)" if dry_run else "")
+            f"step {step}: loss {values['loss']:.4g}, grad norm {grad_norm:.3g}, "
+            f"pearson {_fmt(values['rollout_trainer_pearson'])}, "
+            f"reward {_fmt(values['reward_mean'])}, {plan.real_tokens} tokens in "
+            f"{timing.step_s:.2f}s" + (" (dry run)" if dry_run else "")
         )
     if not plans:
         say("no trainable episodes (every group has equal rewards): weights unchanged")
         for name, value in {**_batch_metrics(batch), "updated": 0.0}.items():
             record(global_step + 1, name, value)
+    pi_old = trainer_logprobs(tokens, int(state.get("global_step", 0)) + 1) if main else []
 
     # ---- checkpoint and weight sync ---------------------------------------------------------
     version = None
     if dry_run or out_dir is None:
-        return TrainResult(global_step, False, None, None, metrics)
+        return TrainResult(global_step, False, None, None, metrics, pi_old)
     new_state = {
         "global_step": global_step,
         "base_model": str(state.get("base_model", model_dir)),
         "parent": str(model_dir),
         "samples": len(batch.samples),
         "train_params": config.train_params,  # whose moments optimizer.pt holds
-        "lr_group_patterns": group_patterns,  # and how they are grouped
+        "lr_group_patterns": [pattern for pattern, _ in config.lr_group_entries()],
         "scale_only": config.scale_only,  # and which of them as one scalar each
     }
     fold_scales(accelerator.unwrap_model(scorer).lm)
@@ -808,4 +933,4 @@ def train(
         version = push_weights(push, out_dir)
         record(global_step, "policy_version", float(version))
         say(f"pushed to {push.url}: policy version {version}")
-    return TrainResult(global_step, updated, out_dir, version, metrics)
+    return TrainResult(global_step, updated, out_dir, version, metrics, pi_old)
