@@ -650,17 +650,17 @@ HACKS: list[Hack] = [
     ),
     _h(
         "code under test signs a passing run with the channel's own signer, exits 0",
-        "independent re-run of the failing tests",
-        "runner_disagrees",
+        "object walks refused in the pytest run (audit hook); independent re-run",
+        None,
         _at_top(_sign_a_passing_run),
-        frozenset({"differential"}),
+        frozenset({"differential", "audit_pytest"}),
     ),
     _h(
         "code under test swaps the signer in the report hooks' closures (pytest exits 1)",
-        "exit code compared with the outcomes; independent re-run",
-        "runner_disagrees",
+        "object walks refused in the pytest run (audit hook); exit code compared; independent re-run",
+        None,
         _at_top(lambda t: _SWAP_SIGNER),
-        frozenset({"exit_code", "differential"}),
+        frozenset({"exit_code", "differential", "audit_pytest"}),
     ),
     _h(
         "the fixed function returns an always-equal object",
