@@ -290,9 +290,11 @@ def test_an_engine_that_does_not_answer(tmp_path: Path) -> None:
         sandbox="none",
     )
     results = by_name(run_checks(cfg))
-    assert results["engine"].status == "fail"
-    assert results["engine"].reason.startswith("vllm engine did not")
-    assert "base_url" in results["engine"].fix
+    # The vllm row asks the server first; the engine and proxy rows then wait for it.
+    assert results["vllm"].status == "fail"
+    assert results["vllm"].reason.startswith(f"no vLLM server at http://127.0.0.1:{port}")
+    assert "base_url" in results["vllm"].fix
+    assert results["engine"].status == "skip" and results["engine"].reason == "needs vllm"
     assert results["proxy"].status == "skip" and results["proxy"].reason == "needs the engine"
 
 
