@@ -111,8 +111,13 @@ def test_readme_rollout_then_verify_examples_run(tmp_path: Path) -> None:
         verify, shell=True, cwd=tmp_path, capture_output=True, timeout=600, env=env
     )
     assert graded.returncode == 0, graded.stderr.decode()[-2000:]
-    rewards = [t.reward for t in read_jsonl(tmp_path / "runs" / "graded.jsonl", Trajectory)]
-    assert len(rewards) == 4 and all(r in (0.0, 1.0) for r in rewards)
+    graded_trajs = list(read_jsonl(tmp_path / "runs" / "graded.jsonl", Trajectory))
+    assert len(graded_trajs) == 4
+    # The untrained tiny model with two turns of 64 tokens fixes nothing: every run is graded,
+    # and graded 0 with the reason (its tests failed, or its patch was refused or did not apply).
+    for t in graded_trajs:
+        assert t.reward == 0.0 and t.verdict is not None, t
+        assert t.verdict["resolved"] is False and t.verdict["reason"], t.verdict
 
 
 def test_readme_align_into_train_pipe_runs(tmp_path: Path) -> None:

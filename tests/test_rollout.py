@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -154,7 +155,33 @@ def test_plan_skips_done_runs_and_respects_limit() -> None:
     ]
 
 
-def test_kill_9_mid_run_then_resume_loses_nothing(tmp_path: Path) -> None:
+def _docker_or_skip() -> None:
+    if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
+        if os.environ.get("CI") == "true":
+            pytest.fail("the Docker daemon is not running (.ci/run starts it)")
+        pytest.skip("no Docker daemon")
+
+
+def _docker_boxes_of(pid: int) -> list[str]:
+    """Containers (any state) labelled as started by process ``pid`` of this host."""
+    listed = subprocess.run(
+        ["docker", "ps", "-a", "--filter", "label=legorl.owner",
+         "--format", '{{.ID}} {{.Label "legorl.owner"}}'],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    host = socket.gethostname()
+    found = []
+    for line in listed.stdout.splitlines():
+        cid, _, owner = line.partition(" ")
+        if owner.split(":")[:2] == [host, str(pid)]:
+            found.append(cid)
+    return found
+
+
+@pytest.mark.parametrize("sandbox", ["local", "docker"])
+def test_kill_9_mid_run_then_resume_loses_nothing(tmp_path: Path, sandbox: str) -> None:
+    if sandbox == "docker":
+        _docker_or_skip()
     # Slow agents (a scripted sleep) so the kill lands while runs are in flight.
     args = [
         "--tasks",
@@ -174,7 +201,7 @@ def test_kill_9_mid_run_then_resume_loses_nothing(tmp_path: Path) -> None:
         "--model",
         str(MODEL),
         "--sandbox",
-        "local",
+        sandbox,
         "--out",
         "traj.jsonl",
     ]
@@ -198,6 +225,8 @@ def test_kill_9_mid_run_then_resume_loses_nothing(tmp_path: Path) -> None:
     from legorl.sandbox.common import state_root
 
     def owned_by_killed() -> list[str]:
+        if sandbox == "docker":
+            return _docker_boxes_of(proc.pid)
         found = []
         for owner in state_root().glob("legorl-*/owner.json"):
             with contextlib.suppress(OSError, ValueError):
@@ -214,7 +243,7 @@ def test_kill_9_mid_run_then_resume_loses_nothing(tmp_path: Path) -> None:
     assert len(after) == 6
     # Sandboxes of the killed process were cleaned up by the next start: folders and processes.
     assert owned_by_killed() == []
-    for name in killed_boxes:
+    for name in killed_boxes if sandbox == "local" else ():
         left = subprocess.run(["pgrep", "-f", name], capture_output=True, text=True)
         assert left.stdout.strip() == "", f"{name} still runs"
     # Resuming a finished run runs nothing and writes nothing.
@@ -222,3 +251,31 @@ def test_kill_9_mid_run_then_resume_loses_nothing(tmp_path: Path) -> None:
     again = _cli(*args, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     assert out.read_bytes() == finished
+
+
+def test_strict_stops_the_stage_at_the_first_alert_and_keeps_what_was_written(
+    tmp_path: Path,
+) -> None:
+    # Every run crashes (the scripted agent exits 1): past the monitor's minimum of 10 runs the
+    # crash rate is 100% > 20%. With --strict the stage stops there; without, it runs to the end.
+    args = [
+        "--tasks", str(TASKS / "train.jsonl"),
+        "--harness", "legorl.harnesses.testing:ScriptedHarness",
+        "--harness-opt", "command=exit 1",
+        "--group-size", "2", "--limit", "7",
+        "--engine", "forced", "--model", str(MODEL), "--sandbox", "local",
+    ]  # fmt: skip
+    strict = _cli(*args, "--out", "strict/traj.jsonl", "--strict", cwd=tmp_path)
+    assert strict.returncode == 1
+    last = strict.stderr.strip().splitlines()[-1]
+    assert last.startswith("legorl rollout: error: ") and "[crash_rate]" in last, last
+    kept = list(read_jsonl(tmp_path / "strict" / "traj.jsonl", Trajectory))
+    assert 10 <= len(kept) < 14 and {t.status for t in kept} == {"harness_crash"}
+    alerts = [
+        json.loads(x) for x in (tmp_path / "strict" / "alerts.jsonl").read_text().splitlines()
+    ]
+    assert [a["kind"] for a in alerts] == ["crash_rate"]
+    lenient = _cli(*args, "--out", "lenient/traj.jsonl", cwd=tmp_path)
+    assert lenient.returncode == 0, lenient.stderr[-2000:]
+    assert len(list(read_jsonl(tmp_path / "lenient" / "traj.jsonl", Trajectory))) == 14
+    assert "crash_rate" in (tmp_path / "lenient" / "alerts.jsonl").read_text()

@@ -107,7 +107,14 @@ def test_loss_mask_covers_sampled_tokens_only(captured: Captured) -> None:
     assert "List the files" not in text
 
 
-def test_check_fp32_engine_fp32_trainer(captured: Captured, fp32_model) -> None:
+def test_check_is_deterministic_on_the_forced_engines_own_numbers(
+    captured: Captured, fp32_model
+) -> None:
+    """A determinism test, not a fidelity one: the forced engine's log-probs come from the same
+    full forward pass the check recomputes, so this proves the alignment picks exactly the
+    sampled positions and the recompute is repeatable. Fidelity against an engine's own decode
+    path (KV cache, incremental steps) is proved on the embedded engine in
+    tests/test_check.py (`check_fidelity`) and on real vLLM in tests/engines/test_vllm_real.py."""
     samples = list(align(captured.trajectories, base_dir=captured.folder, include_aux=True))
     report, checks = check_fidelity(samples, fp32_model)
     print(f"\nfp32 engine vs fp32 check: {report}")

@@ -116,7 +116,8 @@ async def test_load_weights(server: FakeVllm) -> None:
     in_flight = asyncio.create_task(
         collect(engine, GenerationRequest(prompt_ids=[1, 2], max_tokens=6))
     )
-    await asyncio.sleep(0.03)
+    while not server.bodies("/v1/completions"):  # the completion is on the server: reload now
+        await asyncio.sleep(0.005)
     assert await engine.load_weights("/ckpt/step-1") == 1
     assert in_flight.done() and len(in_flight.result()[0]) == 6  # finished first, not aborted
     rpc = server.bodies("/collective_rpc")

@@ -93,6 +93,15 @@ def test_a_command_that_times_out(name: str) -> None:
     assert "timed out after 1s" in line
 
 
+def test_a_command_out_of_memory_exits_137(name: str) -> None:
+    result = legorl("sandbox", "exec", TASK_ID, "--tasks", str(TRAIN), "-b", name,
+                    "--memory-mb", "128", "--", "python3", "-c",
+                    "x = bytearray(600 * 1024 * 1024); print('allocated')")  # fmt: skip
+    assert result.returncode == 137
+    assert b"allocated" not in result.stdout
+    assert "out of memory (limit 128 MB)" in one_line_error(result, "sandbox exec")
+
+
 def test_the_daemon_is_down(tmp_path: Path) -> None:
     down = {"DOCKER_HOST": f"unix://{tmp_path}/no-daemon.sock"}
     for args in (
