@@ -21,6 +21,7 @@ from legorl.proxy.chat import (
     Message,
     TextDelta,
     ToolCall,
+    ToolCallEvent,
     Usage,
 )
 from legorl.proxy.wire import responses
@@ -54,8 +55,12 @@ def test_codex_request() -> None:
         True,
         "auto",
     )
-    assert [t.name for t in req.tools] == ["shell", "update_plan"]  # custom + web_search dropped
+    # The custom (freeform) tool is one string parameter; the hosted web_search is dropped.
+    assert [t.name for t in req.tools] == ["shell", "update_plan", "apply_patch"]
     assert req.tools[0].parameters == raw["tools"][0]["parameters"]
+    assert req.tools[2].parameters["properties"]["input"]["type"] == "string"
+    assert req.tools[2].parameters["required"] == ["input"]
+    assert req.metadata["custom_tools"] == ["apply_patch"]
     assert req.metadata["parallel_tool_calls"] is False
     call = raw["input"][5]
     assert req.messages == [
@@ -169,11 +174,6 @@ IMAGE = {"type": "input_image", "image_url": "https://example.com/a.png"}
             "input[0].type",
         ),
         (
-            body(input="x", previous_response_id="resp_1"),
-            "previous_response_id: not supported",
-            "previous_response_id",
-        ),
-        (
             body(input="x", max_output_tokens="many"),
             "max_output_tokens: expected an integer",
             "max_output_tokens",
@@ -263,4 +263,148 @@ def test_stream_error_after_headers_is_an_error_event() -> None:
         "code": None,
         "message": "engine died",
         "param": None,
+    }
+
+
+def test_codex_0169_captured_request() -> None:
+    """A turn-2 body Codex CLI 0.169 sent to `legorl proxy serve` (its prose trimmed)."""
+    raw = json.loads((DATA / "codex_0169_turn2.json").read_bytes())
+    assert (raw["store"], raw["stream"], raw["include"]) == (
+        False,
+        True,
+        ["reasoning.encrypted_content"],
+    )
+    assert "previous_response_id" not in raw and "instructions" not in raw
+    req = responses.parse_request((DATA / "codex_0169_turn2.json").read_bytes())
+    # The namespace of sub-agent tools is dropped; the four functions stay.
+    assert [t.name for t in req.tools] == [
+        "exec_command",
+        "write_stdin",
+        "request_user_input",
+        "view_image",
+    ]
+    assert [m.role for m in req.messages] == [
+        "system",
+        "system",
+        "user",
+        "user",
+        "assistant",
+        "tool",
+    ]
+    reasoning, call, output = raw["input"][4:]
+    assistant, tool = req.messages[4:]
+    assert assistant.reasoning == reasoning["content"][0]["text"]
+    assert assistant.tool_calls == [
+        ToolCall(id=call["call_id"], name="exec_command", arguments=call["arguments"])
+    ]
+    assert (tool.tool_call_id, tool.name, tool.content) == (
+        call["call_id"],
+        "exec_command",
+        output["output"],
+    )
+
+
+CUSTOM_TOOL = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Apply a patch.",
+    "format": {"type": "grammar", "syntax": "lark", "definition": "start: patch"},
+}
+PATCH = "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch\n"
+
+
+def test_custom_tool_calls_are_free_text_both_ways() -> None:
+    req = responses.parse_request(
+        body(
+            input=[
+                text_item("user", "add a file"),
+                {
+                    "type": "custom_tool_call",
+                    "call_id": "c1",
+                    "name": "apply_patch",
+                    "input": PATCH,
+                },
+                {"type": "custom_tool_call_output", "call_id": "c1", "output": "Done"},
+            ],
+            tools=[CUSTOM_TOOL],
+            stream=True,
+        )
+    )
+    assert (
+        "lark grammar:\nstart: patch"
+        in req.tools[0].parameters["properties"]["input"]["description"]
+    )
+    (call,) = req.messages[1].tool_calls
+    assert json.loads(call.arguments) == {"input": PATCH}
+    assert (req.messages[2].role, req.messages[2].name, req.messages[2].content) == (
+        "tool",
+        "apply_patch",
+        "Done",
+    )
+    # The model's call comes back as a custom_tool_call whose input is the free text.
+    sampled = ToolCall(id="call_9", name="apply_patch", arguments=json.dumps({"input": PATCH}))
+    c = Completion(
+        id="resp_abc",
+        model="tiny",
+        created=0,
+        tool_calls=[sampled],
+        finish=Finish(reason="tool_calls", usage=Usage(prompt_tokens=3, completion_tokens=5)),
+    )
+    out = json.loads(responses.response_body(c, req))
+    assert out["output"] == [
+        {
+            "id": "fc_abc00",
+            "type": "custom_tool_call",
+            "status": "completed",
+            "call_id": "call_9",
+            "name": "apply_patch",
+            "input": PATCH,
+        }
+    ]
+    assert out["tools"] == [
+        {"type": "custom", "name": "apply_patch", "description": "Apply a patch."}
+    ]
+
+    async def run() -> list[dict[str, Any]]:
+        async def events() -> AsyncIterator[Event]:
+            yield ToolCallEvent(0, sampled)
+            yield c.finish
+
+        chunks = responses.stream(
+            events(), req, id="resp_abc", model="t", created=0, prompt_tokens=3
+        )
+        frames = b"".join([ch async for ch in chunks]).decode().split("\n\n")
+        return [json.loads(f.split("\ndata: ", 1)[1]) for f in frames if f]
+
+    frames = asyncio.run(run())
+    assert [f["type"] for f in frames] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.custom_tool_call_input.delta",
+        "response.custom_tool_call_input.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert frames[3]["delta"] == PATCH and frames[4]["input"] == PATCH
+    assert frames[2]["item"]["input"] == "" and frames[5]["item"]["input"] == PATCH
+
+
+def test_unknown_previous_response_id_is_a_clear_400() -> None:
+    with pytest.raises(ApiError) as info:
+        responses.parse_request(body(input="x", previous_response_id="resp_never"))
+    err = info.value
+    assert (err.status, err.param, err.code) == (
+        400,
+        "previous_response_id",
+        "previous_response_not_found",
+    )
+    assert json.loads(responses.error_body(err)) == {
+        "error": {
+            "message": "previous response 'resp_never' was not made by this proxy (it stores no "
+            "responses): send the whole conversation as input",
+            "type": "invalid_request_error",
+            "param": "previous_response_id",
+            "code": "previous_response_not_found",
+        }
     }
