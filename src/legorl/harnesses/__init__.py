@@ -274,11 +274,14 @@ def _last_json(text: str) -> dict[str, Any] | None:
     return None
 
 
+from legorl.harnesses.codex import CodexHarness  # noqa: E402 - it uses the helpers above
+
 HARNESSES: dict[str, type] = {
     "mini": MiniHarness,
     "claude-code": ClaudeCodeHarness,
     "opencode": OpenCodeHarness,
     "openhands-sdk": OpenHandsHarness,
+    "codex": CodexHarness,
 }
 
 
