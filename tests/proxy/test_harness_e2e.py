@@ -1,10 +1,10 @@
 """Real, unmodified harnesses against the real `legorl proxy` command over HTTP.
 
-Claude Code, OpenCode, the OpenHands SDK and Codex CLI each run a tool round trip: the `forced` engine (a
-fake that ships in the package: scripted completions, log-probs from a real forward pass of the
-tiny model) makes the harness run a shell command that writes a file, then answers. Claude Code
-and Codex also run through `legorl proxy intercept` with HTTPS_PROXY and the proxy's CA, their API host
-unchanged. Under CI=true a missing harness fails the test; elsewhere it skips.
+Claude Code, OpenCode, the OpenHands SDK and Codex CLI each run a tool round trip: the `forced`
+engine (a fake that ships in the package: scripted completions, log-probs from a real forward
+pass of the tiny model) makes the harness run a shell command that writes a file, then answers.
+Claude Code and Codex also run through `legorl proxy intercept` with HTTPS_PROXY and the proxy's
+CA, their API host unchanged. Under CI=true a missing harness fails the test; elsewhere it skips.
 """
 
 from __future__ import annotations
