@@ -27,6 +27,8 @@ from legorl.proxy.chat import (
 from legorl.proxy.wire import responses
 
 DATA = Path(__file__).parent / "data"
+# A turn-2 body Codex CLI 0.169 really sent, its prose trimmed; the bench replays it too.
+CODEX_0169 = Path(responses.__file__).parents[2] / "bench" / "data" / "codex_0169_turn2.json"
 
 
 def body(**fields: Any) -> bytes:
@@ -268,14 +270,14 @@ def test_stream_error_after_headers_is_an_error_event() -> None:
 
 def test_codex_0169_captured_request() -> None:
     """A turn-2 body Codex CLI 0.169 sent to `legorl proxy serve` (its prose trimmed)."""
-    raw = json.loads((DATA / "codex_0169_turn2.json").read_bytes())
+    raw = json.loads(CODEX_0169.read_bytes())
     assert (raw["store"], raw["stream"], raw["include"]) == (
         False,
         True,
         ["reasoning.encrypted_content"],
     )
     assert "previous_response_id" not in raw and "instructions" not in raw
-    req = responses.parse_request((DATA / "codex_0169_turn2.json").read_bytes())
+    req = responses.parse_request(CODEX_0169.read_bytes())
     # The namespace of sub-agent tools is dropped; the four functions stay.
     assert [t.name for t in req.tools] == [
         "exec_command",
