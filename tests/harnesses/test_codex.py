@@ -159,3 +159,14 @@ def test_make_harness_knows_codex_and_refuses_unknown_options() -> None:
     assert make_harness("codex").name == "codex"
     with pytest.raises(ValueError, match="unknown option"):
         make_harness("codex", base_url="x")
+
+
+def test_check_knows_codex_and_says_how_to_install_it(tmp_path: Path) -> None:
+    from legorl.check import check_harness
+
+    missing = check_harness("codex", path=str(tmp_path))  # a PATH with nothing on it
+    assert (missing.status, missing.reason) == ("fail", "codex is not on PATH")
+    assert missing.fix == "npm install -g @openai/codex@0.169.0"
+    found = check_harness("codex", path=str(Path(_codex()).parent))
+    assert found.status == "pass" and "codex-cli 0.169.0" in found.reason
+    assert (make_harness("codex").api, make_harness("codex").streams) == ("responses", True)

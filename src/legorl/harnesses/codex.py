@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from legorl.harnesses import SCRATCH, _classify_limits, _env, _run_record
-from legorl.protocols import HarnessRun, Sandbox
+from legorl.protocols import ApiShape, HarnessRun, Requirement, Sandbox
 
 CODEX_HOME = f"{SCRATCH}/home/.codex"
 API_KEY_ENV = "LEGORL_API_KEY"
@@ -90,6 +90,11 @@ class CodexHarness:
     """Codex CLI's ``exec`` mode with a custom Responses provider pointing at the proxy."""
 
     name: ClassVar[str] = "codex"
+    api: ClassVar[ApiShape] = "responses"
+    streams: ClassVar[bool] = True
+    requires: ClassVar[Requirement] = Requirement(
+        binary="codex", install="npm install -g @openai/codex@0.169.0"
+    )
     needs_runtime: ClassVar[bool] = True  # binaries from the sandbox's harness-runtime layer
     retries: int = 1  # Codex's own request and stream retries
 
