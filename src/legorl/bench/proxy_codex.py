@@ -49,7 +49,7 @@ def codex_continue(body: dict[str, Any], output: list[dict[str, Any]], turn: int
 
 
 async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
-    parts = []
+    parts: list[bytes] = []
     while True:
         size = int((await reader.readuntil(b"\r\n")).strip(), 16)
         data = await reader.readexactly(size + 2)
