@@ -410,3 +410,53 @@ def test_unknown_previous_response_id_is_a_clear_400() -> None:
             "code": "previous_response_not_found",
         }
     }
+
+
+def test_custom_tool_history_keeps_the_raw_tokens(tmp_path: Path) -> None:
+    """Through the real core: a custom tool call sent back as free text (no JSON, as Codex
+    sends it) is recognised by its call id, so the next prompt reuses the sampled tokens."""
+    import httpx
+    from proxy_harness import running_proxy, tokenizer
+
+    from legorl.records import segment_prompts
+
+    sampled = f"<tool_call>\n{json.dumps({'name': 'apply_patch', 'arguments': {'input': PATCH}})}"
+    script = [{"text": sampled + "\n</tool_call>"}, {"text": "Patched."}]
+    system = {"type": "message", "role": "developer", "content": "You are a coding agent."}
+    first_input = [system, text_item("user", "add a file")]
+    with running_proxy(tmp_path, script) as proxy:
+        url = f"{proxy.url}/s/cx/v1/responses"
+        first = httpx.post(url, json={"model": "m", "input": first_input, "tools": [CUSTOM_TOOL]})
+        assert first.status_code == 200, first.text
+        (item,) = first.json()["output"]
+        assert (item["type"], item["input"]) == ("custom_tool_call", PATCH)
+        history = [
+            *first_input,
+            {k: item[k] for k in ("type", "call_id", "name", "input")},
+            {"type": "custom_tool_call_output", "call_id": item["call_id"], "output": "Done!"},
+        ]
+        second = httpx.post(url, json={"model": "m", "input": history, "tools": [CUSTOM_TOOL]})
+        assert second.status_code == 200, second.text
+        assert second.json()["output"][0]["content"][0]["text"] == "Patched."
+        turns = proxy.turns("cx")
+    tok = tokenizer()
+    assert turns[0].completion_ids == tok.encode(script[0]["text"]) + [tok.eos_id]
+    assert [t.segment for t in turns] == [0, 0]
+    (_, p0), (_, p1) = segment_prompts(turns)
+    raw = p0 + turns[0].completion_ids
+    assert p1[: len(raw)] == raw and turns[1].prompt_offset == len(raw)
+
+
+def test_unknown_previous_response_id_through_the_proxy(tmp_path: Path) -> None:
+    import httpx
+    from proxy_harness import running_proxy
+
+    with running_proxy(tmp_path, [{"text": "ok", "repeat": True}]) as proxy:
+        url = f"{proxy.url}/s/cx/v1/responses"
+        refused = httpx.post(url, json={"model": "m", "input": "hi", "previous_response_id": "r1"})
+        assert refused.status_code == 400
+        assert refused.json()["error"]["code"] == "previous_response_not_found"
+        # The proxy is not hurt: the same session answers the whole conversation next.
+        ok = httpx.post(url, json={"model": "m", "input": "hi"})
+        assert ok.status_code == 200 and ok.json()["status"] == "completed"
+        assert len(proxy.turns("cx")) == 1  # the refused call recorded nothing
