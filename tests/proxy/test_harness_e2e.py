@@ -338,7 +338,7 @@ def test_codex_tool_round_trip_on_the_responses_api(tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()
     call = {"name": "exec_command", "arguments": {"cmd": "echo hello-from-codex > out.txt"}}
-    script = [
+    script: list[dict] = [
         {
             "match": "legorl-e2e",
             "text": f"<think>\nWrite it.\n</think>\n\n<tool_call>\n{json.dumps(call)}\n</tool_call>",
@@ -390,7 +390,7 @@ def test_codex_through_intercept_with_its_builtin_provider(tmp_path: Path) -> No
     )
     assert login.returncode == 0, login.stderr
     call = {"name": "exec_command", "arguments": {"cmd": "echo intercepted > out.txt"}}
-    script = [
+    script: list[dict] = [
         {"match": "legorl-e2e", "text": f"<tool_call>\n{json.dumps(call)}\n</tool_call>"},
         {"match": "Process exited with code 0", "text": "Done through the proxy.", "repeat": True},
     ]
