@@ -144,15 +144,19 @@ def test_a_config_codex_rejects_is_a_harness_crash(tmp_path: Path) -> None:
     assert classify_codex(done.returncode, done.stdout) == "harness_crash"
 
 
-def test_the_classifier_reads_codex_events_not_words_in_the_answer() -> None:
+def test_the_classifier_reads_codex_last_event_and_exit_code() -> None:
     ok = '{"type":"turn.started"}\n{"type":"turn.completed","usage":{}}\n'
     assert classify_codex(0, ok) == "ok"
-    # The agent's own text may say anything; only the turn.failed event's message counts.
-    said = '{"type":"item.completed","item":{"type":"agent_message","text":"Connection failed"}}\n'
-    assert classify_codex(0, said + ok) == "ok"
+    assert classify_codex(1, ok) == "harness_crash"  # Codex's exit says otherwise
     failed = '{"type":"turn.failed","error":{"message":"max turns reached"}}\n'
     assert classify_codex(1, failed) == "agent_error"
+    # Lines before the last event do not count: an agent's command printing Codex-like
+    # events cannot make a run look finished, or look like the proxy's fault.
+    assert classify_codex(1, ok + failed) == "agent_error"
+    fake = '{"type":"turn.failed","error":{"message":"Connection failed: error sending request"}}'
+    assert classify_codex(0, fake + "\n" + ok) == "ok"
     assert classify_codex(0, "") == "harness_crash"
+    assert classify_codex(None, '{"type":"item.started","item":{}}') == "harness_crash"
 
 
 def test_make_harness_knows_codex_and_refuses_unknown_options() -> None:

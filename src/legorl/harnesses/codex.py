@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from legorl.harnesses import SCRATCH, _classify_limits, _env, _run_record
 from legorl.protocols import ApiShape, HarnessRun, Requirement, Sandbox
@@ -62,8 +62,12 @@ stream_max_retries = {retries}
 
 
 def classify_codex(exit_code: int | None, output: str) -> str:
-    """ok / agent_error / proxy_error / harness_crash from ``codex exec --json``'s output."""
-    events = []
+    """ok / agent_error / proxy_error / harness_crash from ``codex exec --json``'s output.
+
+    Only Codex's last event counts, together with its exit code: whatever lines came before
+    (the agent's commands can print JSON too) cannot turn a run that ended otherwise into one
+    that looks finished or looks like the proxy's fault."""
+    last: dict[str, Any] | None = None
     for line in output.splitlines():
         line = line.strip()
         if line.startswith("{"):
@@ -72,14 +76,15 @@ def classify_codex(exit_code: int | None, output: str) -> str:
             except json.JSONDecodeError:
                 continue
             if isinstance(event, dict) and isinstance(event.get("type"), str):
-                events.append(event)
-    kinds = [e["type"] for e in events]
-    if "turn.completed" in kinds and "turn.failed" not in kinds and exit_code == 0:
-        return "ok"
-    failed = next((e for e in reversed(events) if e["type"] == "turn.failed"), None)
-    if failed is None:
-        return "harness_crash"  # never started a turn (bad config, crash) or died in one
-    message = str((failed.get("error") or {}).get("message", ""))
+                last = event
+    if last is None:
+        return "harness_crash"  # never started a turn: a config it refused, a crash
+    if last["type"] == "turn.completed":
+        return "ok" if exit_code == 0 else "harness_crash"
+    if last["type"] != "turn.failed" or exit_code != 1:
+        return "harness_crash"  # died inside a turn
+    error = last.get("error")
+    message = str(error.get("message", "")) if isinstance(error, dict) else ""
     if any(words in message for words in _PROXY_FAILURES):
         return "proxy_error"
     return "agent_error"
