@@ -1,19 +1,20 @@
 """The codex harness's config and exit classification, on the real Codex CLI binary's output.
 
 Each case runs `codex exec` with the config the harness writes (`codex_config`) against a real
-failure: a port nobody listens on, a real HTTP server answering 404, a config file Codex
-rejects. The success case is in tests/proxy/test_harness_e2e.py and tests/test_rollout_harnesses.py.
+failure: a port nobody listens on, a real HTTP server answering 404 or sending the proxy's own
+stream for an engine that dies mid-answer, a config file Codex rejects. The success case is in tests/proxy/test_harness_e2e.py and tests/test_rollout_harnesses.py.
 Under CI=true a missing `codex` fails; elsewhere it skips.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import socket
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -61,13 +62,14 @@ def _free_port() -> int:
 
 
 @contextmanager
-def _answering(status: int) -> Iterator[str]:
+def _answering(status: int, body: bytes = b"", sse: bool = False) -> Iterator[str]:
+    body = body or b'{"error": {"message": "unknown session", "type": "not_found_error"}}'
+
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             self.rfile.read(int(self.headers.get("content-length", 0)))
-            body = b'{"error": {"message": "unknown session", "type": "not_found_error"}}'
             self.send_response(status)
-            self.send_header("content-type", "application/json")
+            self.send_header("content-type", "text/event-stream" if sse else "application/json")
             self.send_header("content-length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -136,6 +138,30 @@ def test_an_http_error_from_the_proxy_is_a_proxy_error(tmp_path: Path) -> None:
     assert classify_codex(done.returncode, done.stdout) == "proxy_error"
     # Codex prints the URL it failed on; the harness keeps the route's secret out of its record.
     assert url in done.stdout and "secret" not in done.stdout.replace(url, _redacted(url))
+
+
+def _stream_that_fails() -> bytes:
+    """The proxy's own Responses stream for an engine that fails after the headers went out."""
+    from legorl.proxy.chat import ApiError, ChatRequest, Event, TextDelta
+    from legorl.proxy.wire import responses
+
+    async def events() -> AsyncIterator[Event]:
+        yield TextDelta("partial")
+        raise ApiError(500, "engine error: the engine died")
+
+    async def collect() -> bytes:
+        req = ChatRequest(api="responses", model="tiny", messages=[], stream=True)
+        stream = responses.stream(events(), req, id="resp_1", model="t", created=0, prompt_tokens=1)
+        return b"".join([chunk async for chunk in stream])
+
+    return asyncio.run(collect())
+
+
+def test_an_engine_failure_mid_stream_is_a_proxy_error(tmp_path: Path) -> None:
+    with _answering(200, _stream_that_fails(), sse=True) as url:
+        done = _exec(tmp_path, codex_config(url, "tiny"))
+    assert "stream closed before response.completed" in done.stdout
+    assert classify_codex(done.returncode, done.stdout) == "proxy_error"
 
 
 def test_a_config_codex_rejects_is_a_harness_crash(tmp_path: Path) -> None:

@@ -7,9 +7,10 @@ Codex ignores ``OPENAI_BASE_URL`` for anything but its built-in provider, so the
 its own ``config.toml`` under the scratch HOME (``$CODEX_HOME``): a custom model provider whose
 ``base_url`` is the session's route, ``wire_api = "responses"`` and an ``env_key`` holding a
 dummy key (no login). The same file switches off what would reach other hosts (update checks,
-analytics, plugin sync, web search) and what a one-shot agent does not need (goals, sub-agents,
-shell snapshots), bounds Codex's retries, and lets commands run without approval: the legorl
-sandbox is the sandbox. Codex's ``--json`` event stream says how the run ended.
+analytics, plugin sync, web search) and what a one-shot agent does not need (goals, shell
+snapshots, more than one agent thread), bounds Codex's retries, and lets commands run without
+approval: the legorl sandbox is the sandbox. Codex's ``--json`` event stream says how the run
+ended.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from legorl.protocols import ApiShape, HarnessRun, Requirement, Sandbox
 
 CODEX_HOME = f"{SCRATCH}/home/.codex"
 API_KEY_ENV = "LEGORL_API_KEY"
-# Codex's words for a request that never got an answer from the server, or got an HTTP error.
-_PROXY_FAILURES = ("Connection failed", "unexpected status", "stream disconnected", "error sending")
+# Codex's words (0.169, measured) for a call the proxy did not answer: nothing listening, an HTTP
+# error status, or a stream that ended without response.completed (the proxy's `error` event).
+_PROXY_FAILURES = ("Connection failed", "unexpected status", "stream disconnected")
 
 
 def codex_config(base_url: str, model: str, *, retries: int = 1) -> str:
