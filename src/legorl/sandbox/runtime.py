@@ -292,7 +292,7 @@ def local_layout(src: RuntimeSources, dest: Path, recipe: dict[str, Any]) -> lis
     """Fill ``dest`` with the layout as symlinks to host files; returns host paths to bind."""
     binds: list[Path] = []
     (dest / "bin").mkdir(parents=True, exist_ok=True)
-    (dest / "lib" / "node_modules" / "@anthropic-ai").mkdir(parents=True, exist_ok=True)
+    (dest / "lib" / "node_modules").mkdir(parents=True, exist_ok=True)
     if src.node is not None:
         (dest / "bin" / "node").symlink_to(src.node)
         binds.append(src.node.parent)
@@ -300,7 +300,9 @@ def local_layout(src: RuntimeSources, dest: Path, recipe: dict[str, Any]) -> lis
         pkg = src.package(name)
         if pkg is None:
             continue
-        (dest / "lib" / "node_modules" / name).symlink_to(pkg)
+        link = dest / "lib" / "node_modules" / name
+        link.parent.mkdir(exist_ok=True)  # a scope folder such as @openai/
+        link.symlink_to(pkg)
         binds.append(pkg)
         bins = json.loads((pkg / "package.json").read_text()).get("bin") or {}
         if isinstance(bins, str):
