@@ -2,14 +2,15 @@
 and the OpenHands SDK each fix a toy task's bug because the `forced` engine (a fake shipping in
 the package: scripted completions, log-probs from a real forward pass of the tiny model) tells
 them to run a shell command that makes the gold edit. The trajectory's patch must be the gold
-fix, its status `ok`, its turns captured; Codex's is also graded (reward 1). Under CI=true a
-missing Docker daemon fails the test.
+fix, its status `ok`, its turns captured; Codex's also runs in the local (bubblewrap) backend
+and is graded (reward 1). Under CI=true a missing Docker daemon or bwrap fails the test.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -73,11 +74,19 @@ def _legorl(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _rollout(tmp_path: Path, harness: str) -> tuple[Task, Trajectory, list[Turn]]:
-    if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
+def _rollout(
+    tmp_path: Path, harness: str, sandbox: str = "docker"
+) -> tuple[Task, Trajectory, list[Turn]]:
+    if sandbox == "local" and shutil.which("bwrap") is None:
+        missing = "bubblewrap (bwrap) is not installed (.ci/run installs it)"
+    elif sandbox == "docker" and subprocess.run(["docker", "info"], capture_output=True).returncode:
+        missing = "the Docker daemon is not running (.ci/run starts it)"
+    else:
+        missing = ""
+    if missing:
         if os.environ.get("CI") == "true":
-            pytest.fail("the Docker daemon is not running (.ci/run starts it)")
-        pytest.skip("no Docker daemon")
+            pytest.fail(missing)
+        pytest.skip(missing)
     task = _task()
     (tmp_path / "script.json").write_text(json.dumps(_script(harness, task)))
     (tmp_path / "tasks.jsonl").write_text(
@@ -99,7 +108,7 @@ def _rollout(tmp_path: Path, harness: str) -> tuple[Task, Trajectory, list[Turn]
         "--model",
         str(MODEL),
         "--sandbox",
-        "docker",
+        sandbox,
         "--served-model",
         "claude-sonnet-4-5",
         "--timeout",
@@ -123,13 +132,15 @@ def test_real_harness_fixes_a_toy_task_in_docker(tmp_path: Path, harness: str) -
     assert all(len(t.completion_logprobs) == len(t.completion_ids) for t in turns)
 
 
-def test_codex_fixes_a_toy_task_in_docker_and_verify_rewards_it(tmp_path: Path) -> None:
-    """Codex CLI on the Responses API: the gold fix earns reward 1, and every Turn holds the
-    engine's exact ids, the second prompt extending the first with its raw completion."""
+@pytest.mark.parametrize("sandbox", ["docker", "local"])
+def test_codex_fixes_a_toy_task_and_verify_rewards_it(tmp_path: Path, sandbox: str) -> None:
+    """Codex CLI on the Responses API, in either sandbox backend: the gold fix earns reward 1,
+    and every Turn holds the engine's exact ids, the second prompt extending the first with its
+    raw completion."""
     from legorl.proxy.tokens import ChatTokenizer
     from legorl.records import segment_prompts
 
-    task, traj, turns = _rollout(tmp_path, "codex")
+    task, traj, turns = _rollout(tmp_path, "codex", sandbox)
     assert traj.harness == "codex"
     tok = ChatTokenizer(MODEL)
     script = _script("codex", task)
