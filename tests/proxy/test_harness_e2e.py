@@ -9,6 +9,7 @@ CA, their API host unchanged. Under CI=true a missing harness fails the test; el
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -330,6 +331,18 @@ def _codex(work: Path, home: Path, base_url: str, env: dict[str, str], timeout: 
     )
 
 
+def _wait_healthy(port: int, seconds: float = 240) -> None:
+    """Codex retries a refused connection only once (its config here): on a loaded machine the
+    proxy may still be loading when `legorl_proxy` yields, so wait until it answers."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200:
+                return
+        time.sleep(0.5)
+    pytest.fail(f"the proxy on port {port} did not become healthy in {seconds:.0f} s")
+
+
 def _codex_events(stdout: str) -> list[dict]:
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
@@ -347,6 +360,7 @@ def test_codex_tool_round_trip_on_the_responses_api(tmp_path: Path) -> None:
         {"match": "Process exited with code 0", "text": "The file was written.", "repeat": True},
     ]
     with legorl_proxy(tmp_path, "serve", script) as (port, out, _):
+        _wait_healthy(port)
         stdout = _codex(
             work,
             tmp_path / "home" / ".codex",
@@ -396,11 +410,15 @@ def test_codex_through_intercept_with_its_builtin_provider(tmp_path: Path) -> No
     ]
     with legorl_proxy(tmp_path, "intercept", script) as (port, out, data):
         ca = data / "mitmproxy" / "mitmproxy-ca-cert.pem"
-        deadline = time.monotonic() + 30
-        while not ca.exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        refused = httpx.get("http://example.com/", proxy=f"http://127.0.0.1:{port}", timeout=30)
-        assert refused.status_code == 403
+        # Other hosts are refused; that answer also says the proxy is up (it may load slowly).
+        deadline, refused = time.monotonic() + 240, None
+        while refused is None and time.monotonic() < deadline:
+            try:
+                refused = httpx.get("http://example.com/", proxy=f"http://127.0.0.1:{port}")
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        assert refused is not None and refused.status_code == 403
+        assert ca.exists()
         stdout = _run(
             [
                 "sh",
