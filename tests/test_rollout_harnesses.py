@@ -1,14 +1,16 @@
-"""Real harnesses in Docker sandboxes through `legorl rollout`: Claude Code, OpenCode and the
-OpenHands SDK each fix a toy task's bug because the `forced` engine (a fake shipping in the
-package: scripted completions, log-probs from a real forward pass of the tiny model) tells them
-to run a shell command that makes the gold edit. The trajectory's patch must be the gold fix,
-its status `ok`, its turns captured. Under CI=true a missing Docker daemon fails the test.
+"""Real harnesses in Docker sandboxes through `legorl rollout`: Claude Code, OpenCode, Codex CLI
+and the OpenHands SDK each fix a toy task's bug because the `forced` engine (a fake shipping in
+the package: scripted completions, log-probs from a real forward pass of the tiny model) tells
+them to run a shell command that makes the gold edit. The trajectory's patch must be the gold
+fix, its status `ok`, its turns captured; Codex's also runs in the local (bubblewrap) backend
+and is graded (reward 1). Under CI=true a missing Docker daemon or bwrap fails the test.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +51,9 @@ def _script(harness: str, task: Task) -> list[dict]:
     elif harness == "opencode":
         first = _call("bash", {"command": command, "description": "apply the fix"})
         last = "The bug is fixed."
+    elif harness == "codex":
+        first = _call("exec_command", {"cmd": command})
+        last = "The bug is fixed."
     else:
         first = _call("terminal", {"command": command})
         last = _call("finish", {"message": "The bug is fixed."})
@@ -59,55 +64,98 @@ def _script(harness: str, task: Task) -> list[dict]:
     ]
 
 
-@pytest.mark.parametrize("harness", ["claude-code", "opencode", "openhands-sdk"])
-def test_real_harness_fixes_a_toy_task_in_docker(tmp_path: Path, harness: str) -> None:
-    if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
+def _legorl(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "legorl.cli.main", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+def _rollout(
+    tmp_path: Path, harness: str, sandbox: str = "docker"
+) -> tuple[Task, Trajectory, list[Turn]]:
+    if sandbox == "local" and shutil.which("bwrap") is None:
+        missing = "bubblewrap (bwrap) is not installed (.ci/run installs it)"
+    elif sandbox == "docker" and subprocess.run(["docker", "info"], capture_output=True).returncode:
+        missing = "the Docker daemon is not running (.ci/run starts it)"
+    else:
+        missing = ""
+    if missing:
         if os.environ.get("CI") == "true":
-            pytest.fail("the Docker daemon is not running (.ci/run starts it)")
-        pytest.skip("no Docker daemon")
+            pytest.fail(missing)
+        pytest.skip(missing)
     task = _task()
     (tmp_path / "script.json").write_text(json.dumps(_script(harness, task)))
     (tmp_path / "tasks.jsonl").write_text(
         next(ln for ln in (TASKS / "train.jsonl").read_text().splitlines() if TASK_ID in ln) + "\n"
     )
     (tmp_path / "repos").symlink_to(TASKS / "repos")
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "legorl.cli.main",
-            "rollout",
-            "--tasks",
-            "tasks.jsonl",
-            "--harness",
-            harness,
-            "--engine",
-            "forced",
-            "--script",
-            "script.json",
-            "--engine-opt",
-            "max_context=200000",
-            "--model",
-            str(MODEL),
-            "--sandbox",
-            "docker",
-            "--served-model",
-            "claude-sonnet-4-5",
-            "--timeout",
-            "400",
-            "--out",
-            "traj.jsonl",
-        ],
+    result = _legorl(
+        "rollout",
+        "--tasks",
+        "tasks.jsonl",
+        "--harness",
+        harness,
+        "--engine",
+        "forced",
+        "--script",
+        "script.json",
+        "--engine-opt",
+        "max_context=200000",
+        "--model",
+        str(MODEL),
+        "--sandbox",
+        sandbox,
+        "--served-model",
+        "claude-sonnet-4-5",
+        "--timeout",
+        "400",
+        "--out",
+        "traj.jsonl",
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=900,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     (traj,) = read_jsonl(tmp_path / "traj.jsonl", Trajectory)
     assert traj.status == "ok", traj.evidence
     assert traj.patch == task.patch
-    turns = list(read_jsonl(tmp_path / traj.turns_ref[0], Turn))
+    return task, traj, list(read_jsonl(tmp_path / traj.turns_ref[0], Turn))
+
+
+@pytest.mark.parametrize("harness", ["claude-code", "opencode", "openhands-sdk"])
+def test_real_harness_fixes_a_toy_task_in_docker(tmp_path: Path, harness: str) -> None:
+    _, _, turns = _rollout(tmp_path, harness)
     main = [t for t in turns if not t.flags.aux]
     assert len(main) >= 2 and main[0].output.tool_calls
     assert all(len(t.completion_logprobs) == len(t.completion_ids) for t in turns)
+
+
+@pytest.mark.parametrize("sandbox", ["docker", "local"])
+def test_codex_fixes_a_toy_task_and_verify_rewards_it(tmp_path: Path, sandbox: str) -> None:
+    """Codex CLI on the Responses API, in either sandbox backend: the gold fix earns reward 1,
+    and every Turn holds the engine's exact ids, the second prompt extending the first with its
+    raw completion."""
+    from legorl.proxy.tokens import ChatTokenizer
+    from legorl.records import segment_prompts
+
+    task, traj, turns = _rollout(tmp_path, "codex", sandbox)
+    assert traj.harness == "codex"
+    tok = ChatTokenizer(MODEL)
+    script = _script("codex", task)
+    main = [t for t in turns if not t.flags.aux]
+    assert len(main) == 2 and not [t for t in turns if t.flags.aux]
+    for turn, entry in zip(main, script[1:], strict=True):
+        assert turn.api == "responses"
+        assert turn.completion_ids == tok.encode(entry["text"]) + [tok.eos_id]
+        assert len(turn.completion_logprobs) == len(turn.completion_ids)
+    (_, p0), (_, p1) = segment_prompts(main)
+    raw = p0 + main[0].completion_ids
+    assert main[1].segment == 0 and p1[: len(raw)] == raw
+    graded = _legorl(
+        "verify", "traj.jsonl", "--tasks", "tasks.jsonl", "--out", "graded.jsonl", cwd=tmp_path
+    )
+    assert graded.returncode == 0, graded.stderr[-3000:]
+    (result,) = read_jsonl(tmp_path / "graded.jsonl", Trajectory)
+    assert result.reward == 1.0, result.verdict

@@ -1,14 +1,15 @@
 """Real, unmodified harnesses against the real `legorl proxy` command over HTTP.
 
-Claude Code, OpenCode and the OpenHands SDK each run a tool round trip: the `forced` engine (a
-fake that ships in the package: scripted completions, log-probs from a real forward pass of the
-tiny model) makes the harness run a shell command that writes a file, then answers. Claude Code
-also runs through `legorl proxy intercept` with HTTPS_PROXY and the proxy's CA, its API host
-unchanged. Under CI=true a missing harness fails the test; elsewhere it skips.
+Claude Code, OpenCode, the OpenHands SDK and Codex CLI each run a tool round trip: the `forced`
+engine (a fake that ships in the package: scripted completions, log-probs from a real forward
+pass of the tiny model) makes the harness run a shell command that writes a file, then answers.
+Claude Code and Codex also run through `legorl proxy intercept` with HTTPS_PROXY and the proxy's
+CA, their API host unchanged. Under CI=true a missing harness fails the test; elsewhere it skips.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -307,3 +308,131 @@ def test_openhands_sdk_tool_round_trip(tmp_path: Path) -> None:
     assert (work / "out.txt").read_text() == "hello-from-openhands\n"
     _assert_round_trip(turns, script, 1, 2)
     assert turns[-1].output.tool_calls[0].name == "finish"
+
+
+def _codex(work: Path, home: Path, base_url: str, env: dict[str, str], timeout: int = 240) -> str:
+    """`codex exec` with the harness's own config.toml; returns its --json event lines."""
+    from legorl.harnesses.codex import codex_config
+
+    codex = _need(shutil.which("codex"), "Codex CLI (npm @openai/codex)")
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "config.toml").write_text(codex_config(base_url, "tiny"))
+    return _run(
+        [
+            "sh",
+            "-c",
+            'exec "$0" exec --strict-config --skip-git-repo-check --ephemeral --json "$@" </dev/null',
+            codex,
+            "legorl-e2e: write the file",
+        ],
+        work,
+        {"CODEX_HOME": str(home), "HOME": str(home.parent), **env},
+        timeout=timeout,
+    )
+
+
+def _wait_healthy(port: int, seconds: float = 240) -> None:
+    """Codex retries a refused connection only once (its config here): on a loaded machine the
+    proxy may still be loading when `legorl_proxy` yields, so wait until it answers."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200:
+                return
+        time.sleep(0.5)
+    pytest.fail(f"the proxy on port {port} did not become healthy in {seconds:.0f} s")
+
+
+def _codex_events(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def test_codex_tool_round_trip_on_the_responses_api(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    call = {"name": "exec_command", "arguments": {"cmd": "echo hello-from-codex > out.txt"}}
+    script: list[dict] = [
+        {
+            "match": "legorl-e2e",
+            "text": f"<think>\nWrite it.\n</think>\n\n<tool_call>\n{json.dumps(call)}\n</tool_call>",
+        },
+        # Codex's tool output says how the command exited: match that, then answer.
+        {"match": "Process exited with code 0", "text": "The file was written.", "repeat": True},
+    ]
+    with legorl_proxy(tmp_path, "serve", script) as (port, out, _):
+        _wait_healthy(port)
+        stdout = _codex(
+            work,
+            tmp_path / "home" / ".codex",
+            f"http://127.0.0.1:{port}/s/cx/v1",
+            {"LEGORL_API_KEY": "sk-legorl"},
+        )
+        turns = _turns(out, "cx")
+    events = _codex_events(stdout)
+    assert events[-1]["type"] == "turn.completed"
+    assert [e["item"]["text"] for e in events if e.get("item", {}).get("type") == "agent_message"]
+    assert (work / "out.txt").read_text() == "hello-from-codex\n"
+    _assert_round_trip(turns, script, 0, 1)
+    assert all(t.api == "responses" and t.requested_model == "tiny" for t in turns)
+    # Codex sent the reasoning item back, and it was the model's own text.
+    assert turns[0].output.thinking == "Write it."
+    assert not [t for t in turns if t.flags.aux]  # exec mode makes no title or summary calls
+
+
+def test_codex_through_intercept_with_its_builtin_provider(tmp_path: Path) -> None:
+    """Codex's own OpenAI provider, its base URL untouched: it honours HTTPS_PROXY and takes the
+    proxy's CA from SSL_CERT_FILE (no pinning). It first tries a WebSocket to
+    wss://api.openai.com/v1/responses, gets 404 and falls back to HTTPS by itself."""
+    codex = _need(shutil.which("codex"), "Codex CLI (npm @openai/codex)")
+    work, home = tmp_path / "work", tmp_path / "home" / ".codex"
+    work.mkdir()
+    home.mkdir(parents=True)
+    (home / "config.toml").write_text(
+        'model = "tiny"\napproval_policy = "never"\nsandbox_mode = "danger-full-access"\n'
+        'check_for_update_on_startup = false\nweb_search = "disabled"\n'
+        "[analytics]\nenabled = false\n[features]\nplugins = false\n"
+    )
+    env = {"CODEX_HOME": str(home), "HOME": str(home.parent)}
+    # The session is the API key, saved the way Codex saves one.
+    login = subprocess.run(
+        [codex, "login", "--with-api-key"],
+        input="intercepted-codex",
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert login.returncode == 0, login.stderr
+    call = {"name": "exec_command", "arguments": {"cmd": "echo intercepted > out.txt"}}
+    script: list[dict] = [
+        {"match": "legorl-e2e", "text": f"<tool_call>\n{json.dumps(call)}\n</tool_call>"},
+        {"match": "Process exited with code 0", "text": "Done through the proxy.", "repeat": True},
+    ]
+    with legorl_proxy(tmp_path, "intercept", script) as (port, out, data):
+        ca = data / "mitmproxy" / "mitmproxy-ca-cert.pem"
+        # Other hosts are refused; that answer also says the proxy is up (it may load slowly).
+        deadline, refused = time.monotonic() + 240, None
+        while refused is None and time.monotonic() < deadline:
+            try:
+                refused = httpx.get("http://example.com/", proxy=f"http://127.0.0.1:{port}")
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        assert refused is not None and refused.status_code == 403
+        assert ca.exists()
+        stdout = _run(
+            [
+                "sh",
+                "-c",
+                'exec "$0" exec --skip-git-repo-check --ephemeral --json "$@" </dev/null',
+                codex,
+                "legorl-e2e: write the file",
+            ],
+            work,
+            {**env, "HTTPS_PROXY": f"http://127.0.0.1:{port}", "SSL_CERT_FILE": str(ca)},
+            timeout=180,
+        )
+        turns = _turns(out, "intercepted-codex")
+    events = _codex_events(stdout)
+    assert events[-1]["type"] == "turn.completed"
+    assert (work / "out.txt").read_text() == "intercepted\n"
+    _assert_round_trip(turns, script, 0, 1)

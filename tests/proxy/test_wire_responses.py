@@ -21,11 +21,14 @@ from legorl.proxy.chat import (
     Message,
     TextDelta,
     ToolCall,
+    ToolCallEvent,
     Usage,
 )
 from legorl.proxy.wire import responses
 
 DATA = Path(__file__).parent / "data"
+# A turn-2 body Codex CLI 0.169 really sent, its prose trimmed; the bench replays it too.
+CODEX_0169 = Path(responses.__file__).parents[2] / "bench" / "data" / "codex_0169_turn2.json"
 
 
 def body(**fields: Any) -> bytes:
@@ -54,8 +57,12 @@ def test_codex_request() -> None:
         True,
         "auto",
     )
-    assert [t.name for t in req.tools] == ["shell", "update_plan"]  # custom + web_search dropped
+    # The custom (freeform) tool is one string parameter; the hosted web_search is dropped.
+    assert [t.name for t in req.tools] == ["shell", "update_plan", "apply_patch"]
     assert req.tools[0].parameters == raw["tools"][0]["parameters"]
+    assert req.tools[2].parameters["properties"]["input"]["type"] == "string"
+    assert req.tools[2].parameters["required"] == ["input"]
+    assert req.metadata["custom_tools"] == ["apply_patch"]
     assert req.metadata["parallel_tool_calls"] is False
     call = raw["input"][5]
     assert req.messages == [
@@ -169,11 +176,6 @@ IMAGE = {"type": "input_image", "image_url": "https://example.com/a.png"}
             "input[0].type",
         ),
         (
-            body(input="x", previous_response_id="resp_1"),
-            "previous_response_id: not supported",
-            "previous_response_id",
-        ),
-        (
             body(input="x", max_output_tokens="many"),
             "max_output_tokens: expected an integer",
             "max_output_tokens",
@@ -264,3 +266,197 @@ def test_stream_error_after_headers_is_an_error_event() -> None:
         "message": "engine died",
         "param": None,
     }
+
+
+def test_codex_0169_captured_request() -> None:
+    """A turn-2 body Codex CLI 0.169 sent to `legorl proxy serve` (its prose trimmed)."""
+    raw = json.loads(CODEX_0169.read_bytes())
+    assert (raw["store"], raw["stream"], raw["include"]) == (
+        False,
+        True,
+        ["reasoning.encrypted_content"],
+    )
+    assert "previous_response_id" not in raw and "instructions" not in raw
+    req = responses.parse_request(CODEX_0169.read_bytes())
+    # The namespace of sub-agent tools is dropped; the four functions stay.
+    assert [t.name for t in req.tools] == [
+        "exec_command",
+        "write_stdin",
+        "request_user_input",
+        "view_image",
+    ]
+    assert [m.role for m in req.messages] == [
+        "system",
+        "system",
+        "user",
+        "user",
+        "assistant",
+        "tool",
+    ]
+    reasoning, call, output = raw["input"][4:]
+    assistant, tool = req.messages[4:]
+    assert assistant.reasoning == reasoning["content"][0]["text"]
+    assert assistant.tool_calls == [
+        ToolCall(id=call["call_id"], name="exec_command", arguments=call["arguments"])
+    ]
+    assert (tool.tool_call_id, tool.name, tool.content) == (
+        call["call_id"],
+        "exec_command",
+        output["output"],
+    )
+
+
+CUSTOM_TOOL = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Apply a patch.",
+    "format": {"type": "grammar", "syntax": "lark", "definition": "start: patch"},
+}
+PATCH = "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch\n"
+
+
+def test_custom_tool_calls_are_free_text_both_ways() -> None:
+    req = responses.parse_request(
+        body(
+            input=[
+                text_item("user", "add a file"),
+                {
+                    "type": "custom_tool_call",
+                    "call_id": "c1",
+                    "name": "apply_patch",
+                    "input": PATCH,
+                },
+                {"type": "custom_tool_call_output", "call_id": "c1", "output": "Done"},
+            ],
+            tools=[CUSTOM_TOOL],
+            stream=True,
+        )
+    )
+    assert (
+        "lark grammar:\nstart: patch"
+        in req.tools[0].parameters["properties"]["input"]["description"]
+    )
+    (call,) = req.messages[1].tool_calls
+    assert json.loads(call.arguments) == {"input": PATCH}
+    assert (req.messages[2].role, req.messages[2].name, req.messages[2].content) == (
+        "tool",
+        "apply_patch",
+        "Done",
+    )
+    # The model's call comes back as a custom_tool_call whose input is the free text.
+    sampled = ToolCall(id="call_9", name="apply_patch", arguments=json.dumps({"input": PATCH}))
+    c = Completion(
+        id="resp_abc",
+        model="tiny",
+        created=0,
+        tool_calls=[sampled],
+        finish=Finish(reason="tool_calls", usage=Usage(prompt_tokens=3, completion_tokens=5)),
+    )
+    out = json.loads(responses.response_body(c, req))
+    assert out["output"] == [
+        {
+            "id": "fc_abc00",
+            "type": "custom_tool_call",
+            "status": "completed",
+            "call_id": "call_9",
+            "name": "apply_patch",
+            "input": PATCH,
+        }
+    ]
+    assert out["tools"] == [
+        {"type": "custom", "name": "apply_patch", "description": "Apply a patch."}
+    ]
+
+    async def run() -> list[dict[str, Any]]:
+        async def events() -> AsyncIterator[Event]:
+            yield ToolCallEvent(0, sampled)
+            yield c.finish
+
+        chunks = responses.stream(
+            events(), req, id="resp_abc", model="t", created=0, prompt_tokens=3
+        )
+        frames = b"".join([ch async for ch in chunks]).decode().split("\n\n")
+        return [json.loads(f.split("\ndata: ", 1)[1]) for f in frames if f]
+
+    frames = asyncio.run(run())
+    assert [f["type"] for f in frames] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.custom_tool_call_input.delta",
+        "response.custom_tool_call_input.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert frames[3]["delta"] == PATCH and frames[4]["input"] == PATCH
+    assert frames[2]["item"]["input"] == "" and frames[5]["item"]["input"] == PATCH
+
+
+def test_unknown_previous_response_id_is_a_clear_400() -> None:
+    with pytest.raises(ApiError) as info:
+        responses.parse_request(body(input="x", previous_response_id="resp_never"))
+    err = info.value
+    assert (err.status, err.param, err.code) == (
+        400,
+        "previous_response_id",
+        "previous_response_not_found",
+    )
+    assert json.loads(responses.error_body(err)) == {
+        "error": {
+            "message": "previous response 'resp_never' was not made by this proxy (it stores no "
+            "responses): send the whole conversation as input",
+            "type": "invalid_request_error",
+            "param": "previous_response_id",
+            "code": "previous_response_not_found",
+        }
+    }
+
+
+def test_custom_tool_history_keeps_the_raw_tokens(tmp_path: Path) -> None:
+    """Through the real core: a custom tool call sent back as free text (no JSON, as Codex
+    sends it) is recognised by its call id, so the next prompt reuses the sampled tokens."""
+    import httpx
+    from proxy_harness import running_proxy, tokenizer
+
+    from legorl.records import segment_prompts
+
+    sampled = f"<tool_call>\n{json.dumps({'name': 'apply_patch', 'arguments': {'input': PATCH}})}"
+    script = [{"text": sampled + "\n</tool_call>"}, {"text": "Patched."}]
+    system = {"type": "message", "role": "developer", "content": "You are a coding agent."}
+    first_input = [system, text_item("user", "add a file")]
+    with running_proxy(tmp_path, script) as proxy:
+        url = f"{proxy.url}/s/cx/v1/responses"
+        first = httpx.post(url, json={"model": "m", "input": first_input, "tools": [CUSTOM_TOOL]})
+        assert first.status_code == 200, first.text
+        (item,) = first.json()["output"]
+        assert (item["type"], item["input"]) == ("custom_tool_call", PATCH)
+        history = [
+            *first_input,
+            {k: item[k] for k in ("type", "call_id", "name", "input")},
+            {"type": "custom_tool_call_output", "call_id": item["call_id"], "output": "Done!"},
+        ]
+        second = httpx.post(url, json={"model": "m", "input": history, "tools": [CUSTOM_TOOL]})
+        assert second.status_code == 200, second.text
+        assert second.json()["output"][0]["content"][0]["text"] == "Patched."
+        turns = proxy.turns("cx")
+    tok = tokenizer()
+    assert turns[0].completion_ids == tok.encode(script[0]["text"]) + [tok.eos_id]
+    assert [t.segment for t in turns] == [0, 0]
+    (_, p0), (_, p1) = segment_prompts(turns)
+    raw = p0 + turns[0].completion_ids
+    assert p1[: len(raw)] == raw and turns[1].prompt_offset == len(raw)
+
+
+def test_unknown_previous_response_id_through_the_proxy(tmp_path: Path) -> None:
+    import httpx
+    from proxy_harness import running_proxy
+
+    with running_proxy(tmp_path, [{"text": "ok", "repeat": True}]) as proxy:
+        url = f"{proxy.url}/s/cx/v1/responses"
+        refused = httpx.post(url, json={"model": "m", "input": "hi", "previous_response_id": "r1"})
+        assert refused.status_code == 400
+        assert refused.json()["error"]["code"] == "previous_response_not_found"
+        # The proxy is not hurt: the same session answers the whole conversation next.
+        ok = httpx.post(url, json={"model": "m", "input": "hi"})
+        assert ok.status_code == 200 and ok.json()["status"] == "completed"
+        assert len(proxy.turns("cx")) == 1  # the refused call recorded nothing

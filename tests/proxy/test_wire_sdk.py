@@ -525,6 +525,31 @@ def test_responses_stream_helper(name: str, replay: Replay, oai: openai.OpenAI) 
     assert _responses_answer(r) == expected(replay.events)
 
 
+def test_responses_custom_tool_call_reaches_the_sdk(replay: Replay, oai: openai.OpenAI) -> None:
+    """A call to a custom (freeform) tool, as Codex's apply_patch is: the SDK reads the item and
+    its input events, and the input is the free text the model wrote."""
+    patch = "*** Begin Patch\n*** Add File: ünï.txt\n+hi\n*** End Patch\n"
+    tools: Any = [{"type": "custom", "name": "apply_patch", "description": "Apply a patch."}]
+    call = ToolCall(id="call_c1", name="apply_patch", arguments=json.dumps({"input": patch}))
+    replay.events = [ToolCallEvent(0, call), Finish(reason="tool_calls", usage=USAGE)]
+    r = oai.responses.create(model="gpt-test", input="hi", tools=tools)
+    (item,) = r.output
+    assert (item.type, item.call_id, item.name, item.input) == (  # type: ignore[union-attr]
+        "custom_tool_call",
+        "call_c1",
+        "apply_patch",
+        patch,
+    )
+    assert r.tools[0].type == "custom"
+    events = list(oai.responses.create(model="gpt-test", input="hi", tools=tools, stream=True))
+    deltas = [e.delta for e in events if e.type == "response.custom_tool_call_input.delta"]
+    (done,) = [e for e in events if e.type == "response.custom_tool_call_input.done"]
+    assert "".join(deltas) == done.input == patch
+    assert events[-1].type == "response.completed"
+    streamed = events[-1].response.output[0].model_dump()
+    assert {**streamed, "id": None} == {**item.model_dump(), "id": None}  # ids are per response
+
+
 def test_responses_error_reaches_the_sdk(replay: Replay, oai: openai.OpenAI) -> None:
     image: Any = {
         "type": "input_image",

@@ -205,7 +205,7 @@ def test_the_harness_runtime_attaches_without_rebuilding_the_instance(backend: A
             assert box.runtime_env["PATH"].split(":")[0] == "/opt/legorl-env/bin"
             assert "/opt/legorl-runtime/bin" in box.runtime_env["PATH"].split(":")
             r = await box.exec(
-                "node --version && claude --version && opencode --version && "
+                "node --version && claude --version && opencode --version && codex --version && "
                 "/opt/legorl-runtime/openhands/bin/python -c "
                 "'import importlib.util, sys; print(sys.version_info[:2], "
                 'importlib.util.find_spec("openhands.sdk") is not None)\' && '
@@ -223,6 +223,7 @@ def test_the_harness_runtime_attaches_without_rebuilding_the_instance(backend: A
 
     out = run(go())
     assert out.startswith("v") and "Claude Code" in out and "(3, 12) True" in out
+    assert "codex-cli 0.169" in out
     assert "mini_agent.py" in out and out.strip().endswith("read-only")
     again = backend.cache.ensure(task(), TASKS_DIR)[-1]
     assert again.action == "cached" and again.tag == instance.tag

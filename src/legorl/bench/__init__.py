@@ -35,6 +35,12 @@ def _proxy(args: argparse.Namespace) -> dict[str, Any]:
     return bench_proxy(quick=args.quick)
 
 
+def _proxy_codex(args: argparse.Namespace) -> dict[str, Any]:
+    from legorl.bench.proxy_codex import bench_proxy_codex
+
+    return bench_proxy_codex(quick=args.quick)
+
+
 def _align(args: argparse.Namespace) -> dict[str, Any]:
     from legorl.bench.align import bench_align
 
@@ -74,6 +80,7 @@ def _tasks(args: argparse.Namespace) -> dict[str, Any]:
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "records_io": _records_io,
     "proxy": _proxy,
+    "proxy_codex": _proxy_codex,
     "align": _align,
     "sandbox": _sandbox,
     "rollout": _rollout,

@@ -304,6 +304,8 @@ def _last_json(text: str) -> dict[str, Any] | None:
     return None
 
 
+from legorl.harnesses.codex import CodexHarness  # noqa: E402 - it uses the helpers above
+
 #: Harness classes by short name.
 HARNESSES: Registry[Harness] = Registry(
     "harness",
@@ -312,6 +314,7 @@ HARNESSES: Registry[Harness] = Registry(
         "claude-code": ClaudeCodeHarness,
         "opencode": OpenCodeHarness,
         "openhands-sdk": OpenHandsHarness,
+        "codex": CodexHarness,
     },
 )
 

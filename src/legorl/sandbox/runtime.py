@@ -1,11 +1,11 @@
-"""The harness-runtime layer: Node, Claude Code, OpenCode, the OpenHands SDK venv (Python 3.12)
-and legorl's built-in agent, shared by every sandbox at ``/opt/legorl-runtime``.
+"""The harness-runtime layer: Node, Claude Code, OpenCode, Codex CLI, the OpenHands SDK venv
+(Python 3.12) and legorl's built-in agent, shared by every sandbox at ``/opt/legorl-runtime``.
 
     legorl sandbox build --tasks fixtures/tasks/train.jsonl --runtime
 
 Layout inside a sandbox (the same for both backends)::
 
-    /opt/legorl-runtime/bin/{node,claude,opencode}    executables
+    /opt/legorl-runtime/bin/{node,claude,opencode,codex}  executables
     /opt/legorl-runtime/lib/node_modules/…           the npm packages they come from
     /opt/legorl-runtime/python/                       the Python 3.12 the venv runs on
     /opt/legorl-runtime/openhands/bin/python          the OpenHands SDK venv
@@ -40,7 +40,7 @@ import legorl
 from legorl.sandbox.common import RUNTIME_DIR
 from legorl.sandbox.layers import Layer
 
-NPM_PACKAGES = ("@anthropic-ai/claude-code", "opencode-ai")
+NPM_PACKAGES = ("@anthropic-ai/claude-code", "opencode-ai", "@openai/codex")
 _SKIP_PY = ("lib/python3.12/test/", "lib/python3.12/idlelib/", "lib/python3.12/tkinter/")
 
 
@@ -292,7 +292,7 @@ def local_layout(src: RuntimeSources, dest: Path, recipe: dict[str, Any]) -> lis
     """Fill ``dest`` with the layout as symlinks to host files; returns host paths to bind."""
     binds: list[Path] = []
     (dest / "bin").mkdir(parents=True, exist_ok=True)
-    (dest / "lib" / "node_modules" / "@anthropic-ai").mkdir(parents=True, exist_ok=True)
+    (dest / "lib" / "node_modules").mkdir(parents=True, exist_ok=True)
     if src.node is not None:
         (dest / "bin" / "node").symlink_to(src.node)
         binds.append(src.node.parent)
@@ -300,7 +300,9 @@ def local_layout(src: RuntimeSources, dest: Path, recipe: dict[str, Any]) -> lis
         pkg = src.package(name)
         if pkg is None:
             continue
-        (dest / "lib" / "node_modules" / name).symlink_to(pkg)
+        link = dest / "lib" / "node_modules" / name
+        link.parent.mkdir(exist_ok=True)  # a scope folder such as @openai/
+        link.symlink_to(pkg)
         binds.append(pkg)
         bins = json.loads((pkg / "package.json").read_text()).get("bin") or {}
         if isinstance(bins, str):

@@ -1,22 +1,28 @@
 """OpenAI Responses (``POST /v1/responses``), enough for Codex CLI's exec mode.
 
 Request: ``instructions`` (the system message), ``input`` as a string or a list of items
-(``message`` with ``input_text``/``output_text`` parts, ``function_call``,
-``function_call_output``, ``reasoning`` whose text becomes the next assistant turn's reasoning),
-function ``tools`` (other tool types are dropped), ``tool_choice``, ``max_output_tokens``,
-``temperature``, ``top_p``, ``stream``. ``store``, ``include``, ``reasoning``, ``text`` and the like
-are ignored; ``previous_response_id`` is refused, since nothing is stored.
+(``message`` with ``input_text``/``output_text`` parts, ``developer`` messages as system ones,
+``function_call``/``function_call_output``, ``custom_tool_call``/``custom_tool_call_output``,
+``reasoning`` whose text becomes the next assistant turn's reasoning), ``tools`` of type
+``function`` and ``custom`` (freeform: the model sees one string parameter ``input``; hosted and
+``namespace`` tools are dropped), ``tool_choice``, ``max_output_tokens``, ``temperature``,
+``top_p``, ``stream``. ``store``, ``include``, ``reasoning``, ``prompt_cache_key``,
+``client_metadata``, ``text`` and the like are ignored. The proxy keeps no responses, so a
+``previous_response_id`` names one it never made: a 400 with code
+``previous_response_not_found``, the harness must send the whole conversation.
 
 Response: a ``response`` object whose ``output`` holds a ``reasoning`` item (thinking, as
-``reasoning_text`` content: the model's own text, not a summary), a ``message`` item and
-``function_call`` items; ``status`` is ``incomplete`` when the token limit cut it. Streaming sends
-the API's events with ``sequence_number``, from ``response.created`` to ``response.completed``
-(or ``response.incomplete``).
+``reasoning_text`` content: the model's own text, not a summary), a ``message`` item,
+``function_call`` items and ``custom_tool_call`` items (a call to a custom tool, its ``input`` the
+free text); ``status`` is ``incomplete`` when the token limit cut it. Streaming sends the API's
+events with ``sequence_number``, from ``response.created`` to ``response.completed`` (or
+``response.incomplete``).
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -69,8 +75,15 @@ _ROLES: dict[str, Role] = {"user": "user", "system": "system", "developer": "sys
 def parse_request(body: bytes) -> ChatRequest:
     obj = load_object(body)
     model = req_str(obj, "model")
-    if obj.get("previous_response_id") is not None:
-        raise bad("previous_response_id", "not supported: send the whole conversation as input")
+    previous = obj.get("previous_response_id")
+    if previous is not None:
+        raise ApiError(
+            400,
+            f"previous response {str(previous)[:80]!r} was not made by this proxy (it stores no "
+            "responses): send the whole conversation as input",
+            param="previous_response_id",
+            code="previous_response_not_found",
+        )
     messages = []
     instructions = opt_str(obj, "instructions")
     if instructions:
@@ -84,11 +97,12 @@ def parse_request(body: bytes) -> ChatRequest:
         raise wrong_type("input", "a string or a list of input items")
     raw_choice = obj.get("tool_choice")
     parallel = opt_bool(obj, "parallel_tool_calls")
+    tools, custom = _tools(opt_list(obj, "tools") or [])
     return ChatRequest(
         api="responses",
         model=model,
         messages=messages,
-        tools=_tools(opt_list(obj, "tools") or []),
+        tools=tools,
         max_tokens=opt_int(obj, "max_output_tokens", minimum=1),
         temperature=opt_number(obj, "temperature"),
         top_p=opt_number(obj, "top_p"),
@@ -99,6 +113,7 @@ def parse_request(body: bytes) -> ChatRequest:
             "instructions": instructions,
             "tool_choice": "auto" if raw_choice is None else raw_choice,
             "parallel_tool_calls": True if parallel is None else parallel,
+            "custom_tools": custom,
         },
     )
 
@@ -126,11 +141,15 @@ def _items(items: list[Any]) -> list[Message]:
             else:
                 raise bad(at(path, "role"), f"unsupported role {role!r}")
             reasoning = None
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
+            if kind == "function_call":
+                arguments = req_str(item, "arguments", path)
+            else:
+                arguments = custom_arguments(req_str(item, "input", path))
             call = ToolCall(
                 id=req_str(item, "call_id", path),
                 name=req_str(item, "name", path),
-                arguments=req_str(item, "arguments", path),
+                arguments=arguments,
             )
             tool_names[call.id] = call.name
             if joinable and reasoning is None:
@@ -138,7 +157,7 @@ def _items(items: list[Any]) -> list[Message]:
             else:
                 messages.append(Message(role="assistant", reasoning=reasoning, tool_calls=[call]))
                 reasoning, joinable = None, True
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = req_str(item, "call_id", path)
             output = _content(req_value(item, "output", path), at(path, "output"))
             name = tool_names.get(call_id)
@@ -187,21 +206,59 @@ def _reasoning_text(item: JSONObject, path: str) -> str:
     return ""
 
 
-def _tools(values: list[Any]) -> list[Tool]:
-    tools = []
+def _tools(values: list[Any]) -> tuple[list[Tool], list[str]]:
+    """The tools a chat template can show, and the names of those that are custom."""
+    tools, custom = [], []
     for k, value in enumerate(values):
         path = at("tools", k)
         obj = as_object(value, path)
-        if req_str(obj, "type", path) != "function":
-            continue  # hosted or freeform tools: nothing a chat template can show
+        kind = req_str(obj, "type", path)
+        if kind == "function":
+            parameters = as_object(obj.get("parameters") or {}, at(path, "parameters"))
+        elif kind == "custom":
+            parameters = _custom_parameters(obj, path)
+            custom.append(req_str(obj, "name", path))
+        else:
+            continue  # hosted tools (web search…) and namespaces: nothing the model can call
         tools.append(
             Tool(
                 name=req_str(obj, "name", path),
                 description=opt_str(obj, "description", path) or "",
-                parameters=as_object(obj.get("parameters") or {}, at(path, "parameters")),
+                parameters=parameters,
             )
         )
-    return tools
+    return tools, custom
+
+
+def _custom_parameters(obj: JSONObject, path: str) -> JSONObject:
+    """A freeform tool as a function of one string, ``input``, which says what it must be."""
+    fmt = as_object(obj.get("format") or {"type": "text"}, at(path, "format"))
+    about = "Free text."
+    if fmt.get("type") == "grammar":
+        syntax = opt_str(fmt, "syntax", at(path, "format")) or "grammar"
+        definition = opt_str(fmt, "definition", at(path, "format")) or ""
+        about = f"Text in this {syntax} grammar:\n{definition}"
+    return {
+        "type": "object",
+        "properties": {"input": {"type": "string", "description": about}},
+        "required": ["input"],
+    }
+
+
+def custom_arguments(text: str) -> str:
+    """A custom tool call's free text as the arguments the model writes for it."""
+    return json.dumps({"input": text}, ensure_ascii=False)
+
+
+def custom_input(arguments: str) -> str:
+    """The free text of a custom tool call the model wrote as arguments (else the raw text)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    if isinstance(value, dict) and isinstance(value.get("input"), str):
+        return str(value["input"])
+    return arguments
 
 
 def _tool_choice(value: Any) -> Any:
@@ -236,8 +293,10 @@ def response_body(c: Completion, req: ChatRequest) -> bytes:
         output.append(_reasoning_item(_item_id("rs", c.id, len(output)), c.thinking))
     if c.text:
         output.append(_message_item(_item_id("msg", c.id, len(output)), c.text, "completed"))
+    custom = req.metadata.get("custom_tools", [])
     for call in c.tool_calls:
-        output.append(_call_item(_item_id("fc", c.id, len(output)), call, "completed"))
+        item_id = _item_id("fc", c.id, len(output))
+        output.append(_call_item(item_id, call, "completed", call.name in custom))
     if incomplete and output and "status" in output[-1]:
         output[-1]["status"] = "incomplete"
     return dumps(
@@ -276,6 +335,7 @@ async def stream(
     item_id = ""
     parts: list[str] = []
     finish: Finish | None = None
+    custom = req.metadata.get("custom_tools", [])
 
     def close(status: str = "completed") -> list[bytes]:
         if open_kind is None:
@@ -340,17 +400,22 @@ async def stream(
                 open_kind = None
                 index = len(output)
                 call_id = _item_id("fc", id, index)
-                started = {**_call_item(call_id, ev.call, "in_progress"), "arguments": ""}
+                is_custom = ev.call.name in custom
+                done = _call_item(call_id, ev.call, "completed", is_custom)
+                field = "input" if is_custom else "arguments"
+                started = {**done, "status": "in_progress", field: ""}
                 where = {"item_id": call_id, "output_index": index}
                 yield emit("response.output_item.added", {"output_index": index, "item": started})
-                yield emit(
-                    "response.function_call_arguments.delta", {**where, "delta": ev.call.arguments}
+                events_of = (
+                    "response.custom_tool_call_input"
+                    if is_custom
+                    else "response.function_call_arguments"
                 )
-                yield emit(
-                    "response.function_call_arguments.done",
-                    {**where, "name": ev.call.name, "arguments": ev.call.arguments},
-                )
-                done = _call_item(call_id, ev.call, "completed")
+                yield emit(f"{events_of}.delta", {**where, "delta": done[field]})
+                finished = {**where, field: done[field]}
+                if not is_custom:
+                    finished["name"] = ev.call.name
+                yield emit(f"{events_of}.done", finished)
                 yield emit("response.output_item.done", {"output_index": index, "item": done})
                 output.append(done)
             else:
@@ -400,16 +465,7 @@ def _response(
         "parallel_tool_calls": meta.get("parallel_tool_calls", True),
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "tool_choice": meta.get("tool_choice", "auto"),
-        "tools": [
-            {
-                "type": "function",
-                "name": t.name,
-                "description": t.description,
-                "parameters": t.parameters,
-                "strict": False,
-            }
-            for t in req.tools
-        ],
+        "tools": [_tool_echo(t, t.name in meta.get("custom_tools", [])) for t in req.tools],
         "top_p": 1.0 if req.top_p is None else req.top_p,
         "usage": usage,
         "metadata": {},
@@ -444,7 +500,16 @@ def _message_item(item_id: str, text: str, status: str) -> JSONObject:
     }
 
 
-def _call_item(item_id: str, call: ToolCall, status: str) -> JSONObject:
+def _call_item(item_id: str, call: ToolCall, status: str, custom: bool = False) -> JSONObject:
+    if custom:
+        return {
+            "id": item_id,
+            "type": "custom_tool_call",
+            "status": status,
+            "call_id": call.id,
+            "name": call.name,
+            "input": custom_input(call.arguments),
+        }
     return {
         "id": item_id,
         "type": "function_call",
@@ -452,6 +517,18 @@ def _call_item(item_id: str, call: ToolCall, status: str) -> JSONObject:
         "call_id": call.id,
         "name": call.name,
         "arguments": call.arguments,
+    }
+
+
+def _tool_echo(tool: Tool, custom: bool) -> JSONObject:
+    if custom:
+        return {"type": "custom", "name": tool.name, "description": tool.description}
+    return {
+        "type": "function",
+        "name": tool.name,
+        "description": tool.description,
+        "parameters": tool.parameters,
+        "strict": False,
     }
 
 
