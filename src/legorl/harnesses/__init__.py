@@ -282,6 +282,17 @@ HARNESSES: dict[str, type] = {
 }
 
 
+def _register_modules() -> None:
+    # Harnesses in modules of their own import this package's helpers, so they register here,
+    # after those exist.
+    from legorl.harnesses.gemini_cli import GeminiCliHarness
+
+    HARNESSES[GeminiCliHarness.name] = GeminiCliHarness
+
+
+_register_modules()
+
+
 def make_harness(name: str, **config: Any) -> Harness:
     """The harness ``name`` with ``config`` (its dataclass fields); unknown keys are errors."""
     cls = HARNESSES.get(name)
