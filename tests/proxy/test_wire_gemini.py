@@ -358,21 +358,23 @@ _ROUTE = "/s/g1/v1beta/models/gemini-2.5-pro"
 
 def test_served_over_http(tmp_path: Path) -> None:
     script = [{"text": "Hello there.", "repeat": True}]
-    with running_proxy(tmp_path, script) as proxy:
-        with httpx.Client(base_url=proxy.url, timeout=60) as client:
-            plain = client.post(f"{_ROUTE}:generateContent", content=body())
-            sse = client.post(f"{_ROUTE}:streamGenerateContent?alt=sse", content=body())
-            array = client.post(f"{_ROUTE}:streamGenerateContent", content=body())
-            counted = client.post(f"{_ROUTE}:countTokens", content=body())
-            keyed = client.post(
-                "/v1beta/models/m:generateContent",
-                content=body(),
-                headers={"x-goog-api-key": "g2"},
-            )
-            bad = client.post(
-                f"{_ROUTE}:generateContent", content=body([user("x"), {"parts": [{"x": 1}]}])
-            )
-            unknown = client.post("/s/g1/v1beta/models/m:embedContent", content=body())
+    with (
+        running_proxy(tmp_path, script) as proxy,
+        httpx.Client(base_url=proxy.url, timeout=60) as client,
+    ):
+        plain = client.post(f"{_ROUTE}:generateContent", content=body())
+        sse = client.post(f"{_ROUTE}:streamGenerateContent?alt=sse", content=body())
+        array = client.post(f"{_ROUTE}:streamGenerateContent", content=body())
+        counted = client.post(f"{_ROUTE}:countTokens", content=body())
+        keyed = client.post(
+            "/v1beta/models/m:generateContent",
+            content=body(),
+            headers={"x-goog-api-key": "g2"},
+        )
+        bad = client.post(
+            f"{_ROUTE}:generateContent", content=body([user("x"), {"parts": [{"x": 1}]}])
+        )
+        unknown = client.post("/s/g1/v1beta/models/m:embedContent", content=body())
     assert plain.status_code == 200, plain.text
     assert plain.json()["candidates"][0]["content"]["parts"] == [{"text": "Hello there."}]
     assert sse.headers["content-type"] == "text/event-stream"

@@ -321,7 +321,7 @@ def _register_modules() -> None:
     # after those exist.
     from legorl.harnesses.gemini_cli import GeminiCliHarness
 
-    HARNESSES[GeminiCliHarness.name] = GeminiCliHarness
+    HARNESSES.register(GeminiCliHarness.name, GeminiCliHarness)
 
 
 _register_modules()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from legorl.harnesses import SCRATCH, _classify_limits, _env, _run_record
-from legorl.protocols import HarnessRun, Sandbox
+from legorl.protocols import ApiShape, HarnessRun, Requirement, Sandbox
 
 #: Its settings file: API-key auth, nothing phoned home, no update checks, no trust prompt.
 SETTINGS: dict[str, Any] = {
@@ -32,6 +32,7 @@ SETTINGS: dict[str, Any] = {
     "telemetry": {"enabled": False},
     "security": {"auth": {"selectedType": "gemini-api-key"}, "folderTrust": {"enabled": False}},
 }
+NPM_PACKAGE = "@google/gemini-cli@0.61.0"  # the version whose traffic the wire module follows
 TURN_LIMIT_EXIT = 53  # FatalTurnLimitedError: model.maxSessionTurns reached
 
 
@@ -76,6 +77,11 @@ class GeminiCliHarness:
     """Gemini CLI's ``-p`` mode with every tool call approved (``--yolo``)."""
 
     name: ClassVar[str] = "gemini-cli"
+    api: ClassVar[ApiShape] = "gemini"
+    streams: ClassVar[bool] = True
+    requires: ClassVar[Requirement] = Requirement(
+        binary="gemini", install=f"npm install -g {NPM_PACKAGE}"
+    )
     needs_runtime: ClassVar[bool] = True  # binaries from the sandbox's harness-runtime layer
     max_turns: int = 30
 

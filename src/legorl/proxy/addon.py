@@ -20,9 +20,7 @@ from legorl.proxy.core import ProxyCore
 if TYPE_CHECKING:
     from mitmproxy import http
 
-API_HOSTS = frozenset(
-    {"api.anthropic.com", "api.openai.com", "generativelanguage.googleapis.com"}
-)
+API_HOSTS = frozenset({"api.anthropic.com", "api.openai.com", "generativelanguage.googleapis.com"})
 
 
 class LegorlAddon:
