@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_rollout_harnesses import MODEL, TASK_ID, TASKS, _call, _fix_command, _task
@@ -28,7 +29,7 @@ def test_gemini_cli_fixes_a_toy_task_in_docker(tmp_path: Path) -> None:
             pytest.fail("the Docker daemon is not running (.ci/run starts it)")
         pytest.skip("no Docker daemon")
     task = _task()
-    script = [
+    script: list[dict[str, Any]] = [
         {
             "match": "rectangle_area",
             "text": _call("run_shell_command", {"command": _fix_command(task)}),
@@ -89,12 +90,13 @@ def test_gemini_cli_fixes_a_toy_task_in_docker(tmp_path: Path) -> None:
     assert graded.returncode == 0, graded.stderr[-3000:]
     (verified,) = read_jsonl(tmp_path / "graded.jsonl", Trajectory)
     assert verified.reward == 1.0, verified.verdict
+    assert traj.turns_ref
     turns = list(read_jsonl(tmp_path / traj.turns_ref[0], Turn))
     main = [t for t in turns if not t.flags.aux]
     assert len(main) == 2 and all(t.api == "gemini" for t in main)
     tok = ChatTokenizer(MODEL)
     for turn, entry in zip(main, script, strict=True):
-        assert turn.completion_ids == tok.encode(entry["text"]) + [tok.eos_id]
+        assert turn.completion_ids == tok.encode(str(entry["text"])) + [tok.eos_id]
         assert len(turn.completion_logprobs) == len(turn.completion_ids)
     (_, p0), (_, p1) = segment_prompts(main)
     assert p1[: len(p0) + len(main[0].completion_ids)] == p0 + main[0].completion_ids
