@@ -56,7 +56,7 @@ from legorl.protocols import ConfigError
 
 Status = Literal["pass", "fail", "skip"]
 
-API_NAMES = ("openai_chat", "anthropic", "responses")
+API_NAMES = ("openai_chat", "anthropic", "responses", "gemini")
 SANDBOXES = ("local", "docker")
 
 
@@ -512,6 +512,13 @@ def _api_request(api: str, stream: bool) -> tuple[str, dict[str, Any]]:
             ],
             "stream": stream,
         }
+    if api == "gemini":
+        method = "streamGenerateContent?alt=sse" if stream else "generateContent"
+        return f"/v1beta/models/legorl-check:{method}", {
+            "contents": [{"role": "user", "parts": [{"text": user}]}],
+            "tools": [{"functionDeclarations": [_TOOLS[0]["function"]]}],
+            "generationConfig": {"maxOutputTokens": 8},
+        }
     return "/v1/responses", {
         "model": "legorl-check",
         "input": user,
@@ -530,6 +537,10 @@ def _answered(api: str, stream: bool, status: int, text: str) -> str | None:
             return "a streaming response without data: events"
         if api == "openai_chat":
             return None if events[-1] == "[DONE]" else "the stream does not end with [DONE]"
+        if api == "gemini":
+            last = events[-1]
+            finished = '"finishReason"' in last and '"candidates"' in last
+            return None if finished else "the stream's last chunk has no finishReason"
         kinds = []
         for ev in events:
             try:
@@ -546,6 +557,8 @@ def _answered(api: str, stream: bool, status: int, text: str) -> str | None:
         ok = isinstance(body.get("choices"), list) and "message" in body["choices"][0]
     elif api == "anthropic":
         ok = body.get("type") == "message" and isinstance(body.get("content"), list)
+    elif api == "gemini":
+        ok = isinstance(body.get("candidates"), list) and "content" in body["candidates"][0]
     else:
         ok = body.get("object") == "response" and isinstance(body.get("output"), list)
     return None if ok else f"unexpected body: {text[:120]}"

@@ -32,7 +32,7 @@ import orjson
 # Records
 # --------------------------------------------------------------------------------------------
 
-Api = Literal["openai_chat", "anthropic", "responses"]
+Api = Literal["openai_chat", "anthropic", "responses", "gemini"]
 Status = Literal[
     "ok", "agent_error", "timeout", "truncated", "harness_crash", "sandbox_error", "proxy_error"
 ]

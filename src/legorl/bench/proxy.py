@@ -1,8 +1,9 @@
 """Proxy overhead, measured side by side in one run (`python -m legorl.bench --only proxy`).
 
 The server runs in its own process pinned to core 0; the load generator runs here on core 1.
-Requests are OpenCode-shaped (a 9.5k-character system prompt, 10 tools, ~31 KB) and each session
-really continues its conversation: every request carries the previous answers and a tool result,
+Requests are OpenCode-shaped (a 9.5k-character system prompt, 10 tools, ~31 KB), and for
+``serve_gemini_cli`` Gemini CLI-shaped (`gemini_shape`); each session really continues its
+conversation: every request carries the previous answers and a tool result,
 so turns after the first take the proxy's incremental path. The engine is a bench-only stand-in
 (`_StandInEngine`) that answers a fixed tool call at once, or after a fixed delay; its log-probs
 are placeholders, and the Turn records it produces go to a temporary folder and are discarded.
@@ -19,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -295,22 +296,28 @@ class _Server:
 
 
 async def _cpu_per_request(
-    server: _Server, sessions: int, turns: int, tag: str
+    server: _Server,
+    sessions: int,
+    turns: int,
+    tag: str,
+    *,
+    path: str = "/v1/chat/completions",
+    first: Callable[[], dict[str, Any]] = first_request,
+    cont: Callable[[dict[str, Any], dict[str, Any], int], dict[str, Any]] = continue_request,
 ) -> dict[str, float]:
-    """CPU ms per request on turn 1 and on later turns, 8 sessions at a time."""
+    """CPU ms per request on turn 1 and on later turns, 8 sessions at a time; ``path``,
+    ``first`` and ``cont`` give another harness's request shape (OpenCode's by default)."""
     clients = [server.client() for _ in range(8)]
     bodies: dict[int, dict[str, Any]] = {}
     lat: list[float] = []
 
     async def turn_for(worker: int, sids: list[int], turn: int) -> None:
         for sid in sids:
-            body = bodies.get(sid) or first_request()
+            body = bodies.get(sid) or first()
             t0 = time.perf_counter()
-            answer = await clients[worker].post(
-                "/v1/chat/completions", f"{tag}-{sid}", orjson.dumps(body)
-            )
+            answer = await clients[worker].post(path, f"{tag}-{sid}", orjson.dumps(body))
             lat.append(time.perf_counter() - t0)
-            bodies[sid] = continue_request(body, answer, turn)
+            bodies[sid] = cont(body, answer, turn)
 
     groups = [list(range(w, sessions, 8)) for w in range(8)]
     # CPU time is read from /proc in clock ticks (10 ms): measure over many requests at once.
@@ -326,7 +333,7 @@ async def _cpu_per_request(
         "turn1_cpu_ms": round((c1 - c0) / sessions * 1000, 3),
         "turn2plus_cpu_ms": round((c2 - c1) / (sessions * (turns - 1)) * 1000, 3),
         "turn2plus_requests": sessions * (turns - 1),
-        "request_kb_turn1": round(len(orjson.dumps(first_request())) / 1024, 1),
+        "request_kb_turn1": round(len(orjson.dumps(first())) / 1024, 1),
     }
 
 
@@ -485,6 +492,7 @@ def bench_proxy(quick: bool = False) -> dict[str, Any]:
         return out
 
     report["serve"] = asyncio.run(measure("direct"))
+    report["serve_gemini_cli"] = asyncio.run(_gemini_cli_cpu(quick))
     report["intercept_mitmproxy"] = asyncio.run(measure("mitm"))
 
     async def delayed() -> dict[str, float]:
@@ -504,6 +512,25 @@ def bench_proxy(quick: bool = False) -> dict[str, Any]:
     report["prompt_build"] = _prompt_build_growth(50 if quick else 200)
     report["idle_session_bytes"] = asyncio.run(_memory_per_session(50 if quick else 200))
     return report
+
+
+async def _gemini_cli_cpu(quick: bool) -> dict[str, float]:
+    """The serve section's CPU per call for Gemini CLI's request shape (`gemini_shape`)."""
+    from legorl.bench import gemini_shape
+
+    server = _Server("direct")
+    try:
+        return await _cpu_per_request(
+            server,
+            32 if quick else 64,
+            6 if quick else 12,
+            "cpu-gemini",
+            path=gemini_shape.PATH,
+            first=gemini_shape.first_request,
+            cont=gemini_shape.continue_request,
+        )
+    finally:
+        server.stop()
 
 
 def compare_cpu_per_call(srcs: list[str], rounds: int = 3) -> dict[str, Any]:

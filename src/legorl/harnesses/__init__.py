@@ -319,6 +319,17 @@ HARNESSES: Registry[Harness] = Registry(
 )
 
 
+def _register_modules() -> None:
+    # Harnesses in modules of their own import this package's helpers, so they register here,
+    # after those exist.
+    from legorl.harnesses.gemini_cli import GeminiCliHarness
+
+    HARNESSES.register(GeminiCliHarness.name, GeminiCliHarness)
+
+
+_register_modules()
+
+
 def make_harness(name: str, **config: Any) -> Harness:
     """The harness ``name`` (or ``module:Class``) with ``config`` (its dataclass fields);
     unknown names and keys are ``ConfigError``s."""

@@ -4,7 +4,8 @@ changed reach the engine through ``HTTPS_PROXY``.
     legorl proxy intercept --model fixtures/models/tiny-qwen3 --port 8080 --out runs/turns
     HTTPS_PROXY=http://127.0.0.1:8080 NODE_EXTRA_CA_CERTS=~/.local/share/legorl/mitmproxy/mitmproxy-ca-cert.pem claude -p …
 
-Calls to the API hosts (api.anthropic.com, api.openai.com) are answered by `ProxyCore`, never
+Calls to the API hosts (api.anthropic.com, api.openai.com, Google's
+generativelanguage.googleapis.com) are answered by `ProxyCore`, never
 forwarded; the session is the API key the harness sends. Every other host is refused unless
 ``allow_hosts`` names it. Streamed answers are sent whole: mitmproxy has no way to stream a
 response an addon makes itself.
@@ -19,7 +20,7 @@ from legorl.proxy.core import ProxyCore
 if TYPE_CHECKING:
     from mitmproxy import http
 
-API_HOSTS = frozenset({"api.anthropic.com", "api.openai.com"})
+API_HOSTS = frozenset({"api.anthropic.com", "api.openai.com", "generativelanguage.googleapis.com"})
 
 
 class LegorlAddon:

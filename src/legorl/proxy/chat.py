@@ -1,7 +1,7 @@
 """The proxy's API-neutral chat: what every wire format is parsed into and answered from.
 
-Wire modules (`legorl.proxy.wire.*`) turn an OpenAI Chat, Anthropic Messages or Responses body
-into a ``ChatRequest``; the core renders it with the model's chat template, generates, parses
+Wire modules (`legorl.proxy.wire.*`) turn an OpenAI Chat, Anthropic Messages, Responses or Gemini
+body into a ``ChatRequest``; the core renders it with the model's chat template, generates, parses
 the completion into ``Event``s and hands them back to the wire module, which writes that API's
 JSON body or SSE stream.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Role = Literal["system", "user", "assistant", "tool"]
-ApiName = Literal["openai_chat", "anthropic", "responses"]
+ApiName = Literal["openai_chat", "anthropic", "responses", "gemini"]
 
 
 @dataclass(slots=True, kw_only=True)

@@ -4,6 +4,10 @@
     core = ProxyCore(ProxyConfig(model="fixtures/models/tiny-qwen3", out="runs/turns"), engine)
     response = await core.handle("POST", "/s/sess-1/v1/chat/completions", "", headers, body)
 
+Routes: ``/v1/chat/completions``, ``/v1/messages`` (and ``count_tokens``), ``/v1/responses``,
+and Google's ``/v1beta/models/{model}:generateContent``, ``:streamGenerateContent`` and
+``:countTokens``, each under ``/s/{session}``; ``legorl.proxy.wire`` has their formats.
+
 ``handle`` never raises for a client's mistake: it answers in the calling API's error shape.
 Every answered call is appended as a Turn record to ``{out}/{session}.jsonl``.
 
@@ -70,6 +74,11 @@ _ENDPOINTS: dict[str, ApiName] = {
     "/v1/responses": "responses",
     "/responses": "responses",
 }
+# Google's API puts the model and the method in the path; the ``alt=sse`` query picks SSE.
+_GEMINI = re.compile(
+    r"^/v1(?:beta|alpha)?/models/(?P<model>[^/:]+):"
+    r"(?P<method>generateContent|streamGenerateContent|countTokens)$"
+)
 
 
 @dataclass(slots=True)
@@ -175,12 +184,15 @@ class ProxyCore:
                     kind="request_too_large",
                 )
             endpoint = _ENDPOINTS.get(rest)
-            if endpoint is None and rest != "/v1/messages/count_tokens":
+            gemini = _GEMINI.match(rest) if endpoint is None else None
+            if endpoint is None and gemini is None and rest != "/v1/messages/count_tokens":
                 raise ApiError(404, f"no route for POST {rest}", kind="not_found_error")
             session = self._session(match.group("session"), headers)
+            if gemini is not None:
+                return await self._gemini(gemini["model"], gemini["method"], query, session, body)
             if endpoint is None:
                 return self._count_tokens(body)
-            return await self._chat(endpoint, session, body)
+            return await self._chat(session, WIRES[endpoint].parse_request(body))
         except ApiError as err:
             if self.config.log_errors:
                 shown = _CAPABILITY.sub(r"\1…", path)  # a session's secret stays out of logs
@@ -199,6 +211,8 @@ class ProxyCore:
             api = "anthropic"
         elif "/responses" in path:
             api = "responses"
+        elif "/models/" in path and ":" in path.rsplit("/", 1)[-1]:
+            api = "gemini"
         return Response(err.status, WIRES[api].error_body(err))
 
     # ---- routes -------------------------------------------------------------------------
@@ -249,7 +263,7 @@ class ProxyCore:
         if sid is None:
             auth = headers.get("authorization", "")
             sid = auth[7:].strip() if auth.lower().startswith("bearer ") else None
-            sid = sid or headers.get("x-api-key")
+            sid = sid or headers.get("x-api-key") or headers.get("x-goog-api-key")
         if not sid:
             raise ApiError(
                 401,
@@ -345,15 +359,28 @@ class ProxyCore:
         n = self.tok.count(req.messages, req.tools)
         return Response(200, wire.count_tokens_body(n))  # type: ignore[attr-defined]
 
+    async def _gemini(
+        self, model: str, method: str, query: str, session: Session, body: bytes
+    ) -> Response:
+        from legorl.proxy.wire import gemini
+
+        if method == "countTokens":
+            req = gemini.count_tokens_request(body, model=model)
+            return Response(200, gemini.count_tokens_body(self.tok.count(req.messages, req.tools)))
+        sse = "alt=sse" in query.split("&")
+        req = gemini.parse_request(body, model=model, stream=method != "generateContent" and sse)
+        if method == "streamGenerateContent" and not sse:
+            req.metadata["array"] = True  # without alt=sse the stream is one JSON array
+        return await self._chat(session, req)
+
     @staticmethod
     def _json(status: int, obj: Any) -> Response:
         return Response(status, orjson.dumps(obj))
 
     # ---- generation ---------------------------------------------------------------------
 
-    async def _chat(self, api: ApiName, session: Session, body: bytes) -> Response:
-        wire = WIRES[api]
-        req = wire.parse_request(body)
+    async def _chat(self, session: Session, req: ChatRequest) -> Response:
+        wire = WIRES[req.api]
         if not req.messages:
             raise ApiError(400, "messages: at least one message is required", param="messages")
         lock = self._locks.setdefault(session.id, asyncio.Lock())

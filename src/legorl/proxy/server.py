@@ -105,7 +105,15 @@ _ABSOLUTE = re.compile(r"https?://[^/?#]*", re.IGNORECASE)
 # Fields that may appear once: a second copy with another value is an ambiguity an attacker
 # could aim at one reader or another (the session key, the framing).
 _SINGLE = frozenset(
-    {"host", "authorization", "x-api-key", "content-type", "expect", "content-length"}
+    {
+        "host",
+        "authorization",
+        "x-api-key",
+        "x-goog-api-key",
+        "content-type",
+        "expect",
+        "content-length",
+    }
 )
 
 

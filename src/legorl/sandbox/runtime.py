@@ -1,11 +1,12 @@
-"""The harness-runtime layer: Node, Claude Code, OpenCode, Codex CLI, the OpenHands SDK venv
-(Python 3.12) and legorl's built-in agent, shared by every sandbox at ``/opt/legorl-runtime``.
+"""The harness-runtime layer: Node, the npm harnesses (Claude Code, OpenCode, Codex CLI, Gemini
+CLI, …), the OpenHands SDK venv (Python 3.12) and legorl's built-in agent, shared by every
+sandbox at ``/opt/legorl-runtime``.
 
     legorl sandbox build --tasks fixtures/tasks/train.jsonl --runtime
 
 Layout inside a sandbox (the same for both backends)::
 
-    /opt/legorl-runtime/bin/{node,claude,opencode,codex}  executables
+    /opt/legorl-runtime/bin/{node,claude,opencode,…}  executables
     /opt/legorl-runtime/lib/node_modules/…           the npm packages they come from
     /opt/legorl-runtime/python/                       the Python 3.12 the venv runs on
     /opt/legorl-runtime/openhands/bin/python          the OpenHands SDK venv
@@ -40,7 +41,7 @@ import legorl
 from legorl.sandbox.common import RUNTIME_DIR
 from legorl.sandbox.layers import Layer
 
-NPM_PACKAGES = ("@anthropic-ai/claude-code", "opencode-ai", "@openai/codex")
+NPM_PACKAGES = ("@anthropic-ai/claude-code", "opencode-ai", "@openai/codex", "@google/gemini-cli")
 _SKIP_PY = ("lib/python3.12/test/", "lib/python3.12/idlelib/", "lib/python3.12/tkinter/")
 
 

@@ -5,6 +5,8 @@ API's JSON body or SSE stream. Pure functions, no I/O; ``WIRES`` picks a module 
 - ``anthropic``: Anthropic Messages, ``POST /v1/messages`` and ``/v1/messages/count_tokens``
   (Claude Code).
 - ``responses``: OpenAI Responses, ``POST /v1/responses`` (Codex CLI).
+- ``gemini``: Google's Gemini API, ``POST /v1beta/models/{model}:generateContent``,
+  ``:streamGenerateContent`` and ``:countTokens`` (Gemini CLI).
 
 Whatever the API, the ``ChatRequest`` comes out the same way: text parts of one message joined
 with a newline, tool results as ``role: "tool"`` messages, tool-call arguments as JSON text, and
@@ -19,7 +21,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from legorl.proxy.chat import ApiError, ApiName, ChatRequest, Completion, Event
-from legorl.proxy.wire import anthropic, openai_chat, responses
+from legorl.proxy.wire import anthropic, gemini, openai_chat, responses
 
 
 class WireModule(Protocol):
@@ -63,6 +65,7 @@ WIRES: dict[ApiName, WireModule] = {
     "openai_chat": openai_chat,
     "anthropic": anthropic,
     "responses": responses,
+    "gemini": gemini,
 }
 
-__all__ = ["WIRES", "WireModule", "anthropic", "openai_chat", "responses"]
+__all__ = ["WIRES", "WireModule", "anthropic", "gemini", "openai_chat", "responses"]
