@@ -175,7 +175,7 @@ async def _rollout(backend: Any, t: Any, tmp: Path) -> Trajectory:
         await engine.close()
 
 
-def _grade(backend: Any, t: Any, patch: str) -> Trajectory:
+def _grade(backend: Any, t: Any, patch: str, off: frozenset[str] = frozenset()) -> Trajectory:
     traj = Trajectory(
         trajectory_id=f"{t.instance_id}.0",
         task_id=t.instance_id,
@@ -193,7 +193,7 @@ def _grade(backend: Any, t: Any, patch: str) -> Trajectory:
             tasks_dir=".",
             run_id=run_id(),
             turns=[],
-            config=VerifyConfig(),
+            config=VerifyConfig(defences_off=off),
         )
     )
 
@@ -367,9 +367,12 @@ def _patch_reading_history(tmp: Path) -> str:
 def test_code_under_test_cannot_read_the_fix_out_of_the_history_when_graded(
     docker_backend: Any, unlocked: Any, mimic: tuple[Any, dict[str, Any]], tmp_path: Path
 ) -> None:
+    # The independent re-run of FAIL_TO_PASS ("differential") also stops this patch (it
+    # disagrees); it is off here, so the lockdown alone decides.
     t, _ = mimic
     patch = _patch_reading_history(tmp_path)
     assert FIXED_LINE not in patch
-    assert _grade(docker_backend, t, patch).reward == 0.0
+    off = frozenset({"differential"})
+    assert _grade(docker_backend, t, patch, off).reward == 0.0
     # Control: graded on the image's own history, the same patch finds the fix and passes.
-    assert _grade(unlocked, t, patch).reward == 1.0
+    assert _grade(unlocked, t, patch, off).reward == 1.0
