@@ -29,7 +29,7 @@ from sandbox_fixtures import (  # noqa: F401  (fixtures are found by name)
 
 from fixtures.mimic_image import ENV, FIXED_LINE, UPSTREAM, build_mimic
 from legorl.engines import make_engine
-from legorl.harnesses import ScriptedHarness
+from legorl.harnesses.testing import ScriptedHarness
 from legorl.protocols import Limits
 from legorl.records import Trajectory
 from legorl.rollout import Run, inprocess_proxy, run_one
