@@ -10,8 +10,11 @@
 Images come from a layered cache (``DockerCache``): ``legorl/base:<key>`` (Debian from
 ``debootstrap`` + ``docker import``, since no registry is reachable here), ``legorl/env:<key>``
 (a venv at /opt/legorl-env with the task's packages and setup steps), ``legorl/instance:<key>``
-(the repository at /testbed with one commit of history). The harness runtime is a named volume
-``legorl-runtime-<key>`` mounted read-only. Containers run with ``--network none``; a proxy is
+(the repository at /testbed with one commit of history). A task naming a prebuilt image
+(SWE-bench's ``sweb.eval.x86_64.<id>``) stands on it, pulled when missing; its instance layer
+locks the image's own /testbed down to one commit (``images.py``) and puts the image's Python
+env first on PATH. The harness runtime is a named volume ``legorl-runtime-<key>`` mounted
+read-only. Containers run with ``--network none``; a proxy is
 reached through the relay (``relay.py``). Every container carries ``legorl.run`` and
 ``legorl.owner`` labels; a backend's first start removes containers whose owner process is
 dead, and ``legorl sandbox gc`` removes the rest.
