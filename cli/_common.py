@@ -86,6 +86,20 @@ ReportTo = Annotated[
 ]
 
 
+def require_images(command: str, backend: Any, tasks: list[Any]) -> None:
+    """The prebuilt images the tasks name, present or pulled before any run starts; one that
+    is not here and cannot be pulled ends the command with what to build or pull."""
+    from legorl.protocols import SandboxError
+
+    ensure = getattr(backend, "ensure_images", None)
+    if ensure is None:
+        return
+    try:
+        ensure(tasks)
+    except SandboxError as exc:
+        fail(command, str(exc), 2)
+
+
 def fail(command: str, message: str, code: int = 1) -> NoReturn:
     """One readable line on stderr, then exit with ``code``."""
     console.print(f"legorl {command}: error: {message}", markup=False, soft_wrap=True)

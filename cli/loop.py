@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
-from ._common import ReportTo, console, fail, key_values
+from ._common import ReportTo, TaskFormat, console, fail, key_values
 
 if TYPE_CHECKING:
     from legorl.loop import LoopResult
@@ -39,6 +39,7 @@ def loop(
     tasks_dir: Annotated[
         Path, typer.Option(help="Folder with train.jsonl and heldout.jsonl.")
     ] = Path("fixtures/tasks-generated"),
+    task_format: TaskFormat = None,
     out: Annotated[
         Path, typer.Option("--out", "-o", help="Run folder (re-use it to continue).")
     ] = Path("runs/loop"),
@@ -111,6 +112,7 @@ def loop(
     config = LoopConfig(
         model=model,
         tasks_dir=tasks_dir,
+        task_format=task_format,
         out=out,
         iterations=iterations,
         group_size=group_size,

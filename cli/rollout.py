@@ -25,6 +25,7 @@ from ._common import (
     engine_log_beside,
     fail,
     key_values,
+    require_images,
 )
 
 HELP = "Run a harness on tasks in sandboxes through the proxy; writes trajectories."
@@ -125,6 +126,7 @@ def rollout(
     )
     turns.mkdir(parents=True, exist_ok=True)
     runs = plan_runs(task_list, group_size, limit, finished_ids(out))
+    require_images("rollout", backend, [r.task for r in runs])
     skipped = (min(limit or len(task_list), len(task_list)) * group_size) - len(runs)
     if skipped:
         console.print(f"legorl rollout: {skipped} run(s) already in {out}, skipped", markup=False)

@@ -13,7 +13,16 @@ from typing import Annotated
 
 import typer
 
-from ._common import Inputs, Out, SkipBad, TaskFormat, console, fail, iter_inputs
+from ._common import (
+    Inputs,
+    Out,
+    SkipBad,
+    TaskFormat,
+    console,
+    fail,
+    iter_inputs,
+    require_images,
+)
 
 HELP = "Grade trajectories' patches in a fresh sandbox; adds reward, verdict and hack flags."
 
@@ -57,6 +66,7 @@ def verify(
     unknown = sorted({t.task_id for t in trajectories} - set(by_id))
     if unknown:
         fail("verify", f"trajectory task(s) not in {tasks}: {', '.join(unknown[:5])}")
+    require_images("verify", backend, [by_id[t.task_id] for t in trajectories])
     counts: Counter[str] = Counter()
     monitor = Monitor(
         alerts_path=(out.parent if out else Path.cwd()) / "alerts.jsonl", strict=strict

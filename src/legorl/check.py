@@ -882,11 +882,13 @@ def check_docker(
     # Missing layers are built on first use: a base needs debootstrap, a prebuilt image a pull.
     unpullable = [layer.tag for layer in absent if layer.kind == "image"]
     if unpullable:
+        from legorl.sandbox.images import build_hint
+
         return _fail(
             name,
             f"{len(unpullable)} prebuilt task image(s) are not here and must be pulled: "
             f"{', '.join(unpullable[:3])}",
-            "docker pull / docker load them before the run, or give the tasks an env recipe",
+            f"get each before the run, e.g. {unpullable[0]} with {build_hint(unpullable[0])}",
         )
     bases = [layer.tag for layer in absent if layer.kind == "base"]
     if bases and shutil.which("debootstrap") is None:

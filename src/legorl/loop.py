@@ -153,6 +153,9 @@ def default_lr(train_params: str, scale_only: str) -> float:
 class LoopConfig:
     model: Path = DEFAULT_MODEL
     tasks_dir: Path = DEFAULT_TASKS  # holds train.jsonl and heldout.jsonl
+    task_format: str | None = (
+        None  # the set their rows come from (legorl.tasks.FORMATS); None: detected
+    )
     out: Path = Path("runs/loop")
     iterations: int = 16
     group_size: int = 4  # samples per task in a training iteration
@@ -209,7 +212,13 @@ class LoopConfig:
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise LoopConfigError("temperature", f"must be > 0, got {self.temperature}")
         from legorl.sandbox import SANDBOXES
+        from legorl.tasks import FORMATS
 
+        if self.task_format is not None and self.task_format not in {"legorl", *FORMATS}:
+            known = ", ".join(["legorl", *FORMATS])
+            raise LoopConfigError(
+                "task_format", f"expected one of {known} (or unset), got {self.task_format!r}"
+            )
         if self.sandbox not in SANDBOXES:
             known = ", ".join(sorted(SANDBOXES))
             raise LoopConfigError("sandbox", f"expected one of {known}, got {self.sandbox!r}")
@@ -563,7 +572,9 @@ def run_loop(
     splits = {}
     for split in ("train", "heldout"):
         try:
-            splits[split] = load_tasks(Path(config.tasks_dir) / f"{split}.jsonl")
+            splits[split] = load_tasks(
+                Path(config.tasks_dir) / f"{split}.jsonl", task_format=config.task_format
+            )
         except TaskError as exc:
             raise LoopConfigError("tasks_dir", str(exc)) from None
         if not splits[split]:
@@ -669,6 +680,9 @@ class _Runner:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         try:
             self.backend = make_backend(c.sandbox)
+            ensure = getattr(self.backend, "ensure_images", None)
+            if ensure is not None:  # a prebuilt image that cannot be had stops it now
+                await asyncio.to_thread(ensure, [t for ts in self.splits.values() for t in ts])
         except SandboxError as exc:
             raise LoopError(f"sandbox {c.sandbox}: {exc}") from None
         try:

@@ -10,8 +10,11 @@
 Images come from a layered cache (``DockerCache``): ``legorl/base:<key>`` (Debian from
 ``debootstrap`` + ``docker import``, since no registry is reachable here), ``legorl/env:<key>``
 (a venv at /opt/legorl-env with the task's packages and setup steps), ``legorl/instance:<key>``
-(the repository at /testbed with one commit of history). The harness runtime is a named volume
-``legorl-runtime-<key>`` mounted read-only. Containers run with ``--network none``; a proxy is
+(the repository at /testbed with one commit of history). A task naming a prebuilt image
+(SWE-bench's ``sweb.eval.x86_64.<id>``) stands on it, pulled when missing; its instance layer
+locks the image's own /testbed down to one commit (``images.py``) and puts the image's Python
+env first on PATH. The harness runtime is a named volume ``legorl-runtime-<key>`` mounted
+read-only. Containers run with ``--network none``; a proxy is
 reached through the relay (``relay.py``). Every container carries ``legorl.run`` and
 ``legorl.owner`` labels; a backend's first start removes containers whose owner process is
 dead, and ``legorl sandbox gc`` removes the rest.
@@ -65,6 +68,7 @@ from legorl.sandbox.common import (
     state_root,
     touch_usage,
 )
+from legorl.sandbox.images import missing_message, probe_script, scrub_script
 from legorl.sandbox.layers import Layer, keep_up_to, plan
 from legorl.sandbox.relay import FORWARDER, Relay, inside_port, open_relay, split_proxy_url
 from legorl.sandbox.repo import scrubbed_repo
@@ -93,6 +97,9 @@ class DockerConfig:
     ca_bundle: str | None = "/etc/ssl/certs/ca-certificates.crt"  # host CAs for build steps
     step_timeout_s: float = 1800.0
     budget_gb: float | None = None  # after a build, LRU-remove layers above this total
+    #: Test-only: "image" keeps a prebuilt image's git history in the sandbox (the control that
+    #: shows the one-commit lockdown matters); see ``legorl.sandbox.layers.HISTORIES``.
+    history: str = "one-commit"
 
 
 @dataclass(slots=True)
@@ -218,16 +225,18 @@ class DockerCache:
     ) -> list[LayerReport]:
         """Every layer of ``task`` up to ``level`` present (built or pulled when allowed)."""
         build = self.config.build if build is None else build
-        layers = keep_up_to(plan(task), level)
+        layers = keep_up_to(plan(task, history=self.config.history), level)
         reports = []
         for layer in layers:
             reports.append(self._ensure_layer(layer, task, Path(tasks_dir), build))
         return reports
 
     def _ensure_layer(self, layer: Layer, task: Any, tasks_dir: Path, build: bool) -> LayerReport:
-        if self.image(layer.tag) is not None:
+        if self.image(layer.tag) is not None and not self._stale(layer):
             touch_usage(layer.tag)
             return LayerReport(layer.kind, layer.tag, layer.name, "cached")
+        if not build and layer.kind == "image":
+            raise ImageMissingError(missing_message(layer.tag, "pulling is off: --no-build"))
         if not build:
             raise ImageMissingError(
                 f"{layer.kind} layer {layer.tag} ({layer.name}) is not built and building is off "
@@ -235,7 +244,8 @@ class DockerCache:
             )
         started = time.monotonic()
         with build_lock(layer.tag):
-            if self.image(layer.tag, fresh=True) is not None:  # another builder finished it
+            fresh = self.image(layer.tag, fresh=True)
+            if fresh is not None and not self._stale(layer):  # another builder finished it
                 touch_usage(layer.tag)
                 return LayerReport(layer.kind, layer.tag, layer.name, "waited")
             log_path = cache_root() / "logs" / f"{layer.kind}-{layer.key}.log"
@@ -257,6 +267,17 @@ class DockerCache:
             self.gc_budget(self.config.budget_gb, keep={layer.tag})
         return LayerReport(layer.kind, layer.tag, layer.name, action, time.monotonic() - started)
 
+    def _stale(self, layer: Layer) -> bool:
+        """An instance layer built on a prebuilt image that has since changed under its tag."""
+        parent = layer.parent
+        if layer.kind != "instance" or parent is None or parent.kind != "image":
+            return False
+        mine, theirs = self.image(layer.tag), self.image(parent.tag)
+        if mine is None or theirs is None:
+            return False
+        labels = (mine.get("Config") or {}).get("Labels") or {}
+        return labels.get("legorl.parent_id") != theirs.get("Id")
+
     # -- builders
 
     def _pull(self, layer: Layer) -> None:
@@ -268,8 +289,8 @@ class DockerCache:
         try:
             self.api.pull(repo, tag=tag)
         except docker.errors.APIError as exc:
-            why = re.sub(r"\s+", " ", str(exc.explanation or exc))[:200]
-            raise BuildError(f"cannot pull image {layer.tag}: {why}", step="pull") from None
+            why = re.sub(r"\s+", " ", str(exc.explanation or exc))[:160]
+            raise BuildError(missing_message(layer.tag, why), step="pull") from None
 
     def build_base(self, layer: Layer, log_path: Path) -> None:
         recipe = layer.recipe
@@ -415,6 +436,9 @@ class DockerCache:
 
     def _build_instance(self, layer: Layer, task: Any, tasks_dir: Path, log_path: Path) -> None:
         assert layer.parent is not None
+        if layer.recipe.get("repo_from") == "image":
+            self._build_instance_on_image(layer, task, log_path)
+            return
         with tempfile.TemporaryDirectory(prefix="legorl-instance-") as tmp:
             repo_dir = Path(tmp) / "testbed"
             repo_dir.mkdir()
@@ -445,26 +469,71 @@ class DockerCache:
                         f"instance layer {layer.tag} ({layer.name}) failed at step 2/2 `copy repo`",
                         step="copy repo",
                     )
-                repo, _, tag = layer.tag.partition(":")
-                self.api.commit(
-                    cid,
-                    repository=repo,
-                    tag=tag,
-                    conf={
-                        "Labels": _label_conf(
-                            layer,
-                            {"legorl.base_sha": sha, "legorl.base_commit": task.base_commit},
-                        ),
-                        "WorkingDir": WORKDIR,
-                        "Cmd": ["sleep", "infinity"],
-                        "Entrypoint": None,
-                    },
-                )
+                self._commit_instance(cid, layer, {"legorl.base_sha": sha}, task)
             finally:
                 with contextlib.suppress(Exception):
                     self.api.remove_container(cid, force=True)
         with open(log_path, "a") as log:
             log.write(f"instance {task.instance_id}: one commit {sha}\n")
+
+    def _commit_instance(
+        self, cid: str, layer: Layer, labels: dict[str, str], task: Any, *, user: str = ""
+    ) -> None:
+        repo, _, tag = layer.tag.partition(":")
+        labels = {**labels, "legorl.base_commit": task.base_commit}
+        conf: dict[str, Any] = {
+            "Labels": _label_conf(layer, labels),
+            "WorkingDir": WORKDIR,
+            "Cmd": ["sleep", "infinity"],
+            "Entrypoint": None,
+        }
+        if user:  # an image's own user may not be root; our layers run as root
+            conf["User"] = user
+        self.api.commit(cid, repository=repo, tag=tag, conf=conf)
+
+    def _build_instance_on_image(self, layer: Layer, task: Any, log_path: Path) -> None:
+        """The image's own repository locked down in place (``images.scrub_script``) and its
+        Python env found (``images.probe_script``), committed with both as labels."""
+        assert layer.parent is not None
+        parent = self.image(layer.parent.tag, fresh=True)
+        if parent is None:
+            raise ImageMissingError(missing_message(layer.parent.tag, "it is gone"))
+        scrub = layer.recipe["history"] == "one-commit"
+        script = f"{scrub_script(task.base_commit, scrub=scrub)}\n{probe_script()}"
+        container = self.api.create_container(
+            layer.parent.tag,
+            command=["/bin/sh", "-c", script],
+            entrypoint=[],
+            user="root",
+            working_dir="/",
+            labels={"legorl.build": layer.tag, "legorl.owner": owner_tag()},
+            host_config=self.api.create_host_config(network_mode="none"),
+        )
+        cid = container["Id"]
+        try:
+            what = f"instance layer {layer.tag} ({layer.name}) on image {layer.parent.tag}"
+            text = self._run_step(cid, what=what, step="lock the repository down", log=log_path)
+            facts = dict(
+                line.split("=", 1) for line in text.splitlines() if re.match(r"^(env|path)=", line)
+            )
+            shas = re.findall(r"^sha=(\S+) tree=(\S+)$", text, re.M)
+            sha = shas[-1][0]
+            env_dir = facts.get("env", "")
+            path = facts.get("path") or BASE_PATH
+            env_path = f"{env_dir}/bin:{path}" if env_dir else path
+            labels = {
+                "legorl.base_sha": sha,
+                "legorl.parent_id": parent["Id"],
+                "legorl.env_dir": env_dir,
+                "legorl.env_path": env_path,
+            }
+            self._commit_instance(cid, layer, labels, task, user="root")
+        finally:
+            with contextlib.suppress(Exception):
+                self.api.remove_container(cid, force=True)
+        with open(log_path, "a") as log:
+            what = "one commit" if scrub else "history kept (control)"
+            log.write(f"instance {task.instance_id} on {layer.parent.tag}: {what} {sha}\n")
 
     # -- the harness runtime (two named volumes: the tools, and the agent files)
 
@@ -629,22 +698,27 @@ class DockerCache:
         )
         cid = container["Id"]
         try:
-            self.api.start(cid)
-            code = self.api.wait(cid, timeout=int(self.config.step_timeout_s))["StatusCode"]
-            text = self.api.logs(cid).decode("utf-8", "replace")
-            with open(log_path, "a") as log:
-                log.write(f"$ {step}\n{text}")
-            if code != 0:
-                raise BuildError(
-                    f"runtime layer ({layer.name}) failed at step `{step}` (exit {code}): "
-                    f"{_last_line(text)} (log: {log_path})",
-                    step=step,
-                    log_tail=_tail(text),
-                    log_path=str(log_path),
-                )
+            self._run_step(cid, what=f"runtime layer ({layer.name})", step=step, log=log_path)
         finally:
             with contextlib.suppress(Exception):
                 self.api.remove_container(cid, force=True)
+
+    def _run_step(self, cid: str, *, what: str, step: str, log: Path) -> str:
+        """Start a created container and wait for it; its output, logged. A non-zero exit is
+        a ``BuildError`` naming ``what`` and ``step``."""
+        self.api.start(cid)
+        code = self.api.wait(cid, timeout=int(self.config.step_timeout_s))["StatusCode"]
+        text = self.api.logs(cid).decode("utf-8", "replace")
+        with open(log, "a") as fh:
+            fh.write(f"$ {step}\n{text}")
+        if code != 0:
+            raise BuildError(
+                f"{what} failed at step `{step}` (exit {code}): {_last_line(text)} (log: {log})",
+                step=step,
+                log_tail=_tail(text),
+                log_path=str(log),
+            )
+        return text
 
     # -- listing and removal
 
@@ -761,6 +835,7 @@ class DockerSandbox:
         rundir: Path | None,
         runtime: bool,
         image: str = "",
+        env_path: str = BASE_PATH,
     ) -> None:
         self.backend = backend
         self.api = backend.api
@@ -777,7 +852,7 @@ class DockerSandbox:
         self._deadline = Deadline(limits.wall_s)
         self._cgroups: cgroups.CgroupSet | None = None
         self._closed = False
-        self.env_path = BASE_PATH + (f":{RUNTIME_DIR}/bin" if runtime else "")
+        self.env_path = env_path + (f":{RUNTIME_DIR}/bin" if runtime else "")
         #: What a harness adds to a command's env: PATH with the env's venv (and the runtime).
         self.runtime_env = {"PATH": self.env_path}
         #: The OpenHands SDK's Python when the runtime is attached.
@@ -1146,6 +1221,16 @@ class DockerBackend:
         raw = self.api.exec_start(exec_id, socket=True)
         return getattr(raw, "_sock", raw), b""
 
+    def ensure_images(self, tasks: list[Any]) -> None:
+        """Every prebuilt image the tasks name present, pulled when missing: a run's first
+        check, so an image that is not here and cannot be pulled stops it in one line."""
+        seen: set[str] = set()
+        for task in tasks:
+            if task.image and task.image not in seen:
+                seen.add(task.image)
+                image = plan(task, history=self.config.history)[0]
+                self.cache._ensure_layer(image, task, Path("."), self.config.build)
+
     def helper_box(self, image: str, *, base_sha: str) -> DockerSandbox:
         """A fresh container of ``image`` (no network) for work the agent must not reach."""
         name = f"legorl-helper-{secrets.token_hex(6)}"
@@ -1254,6 +1339,7 @@ class DockerBackend:
         assert info is not None
         labels_img = (info.get("Config") or {}).get("Labels") or {}
         base_sha = labels_img.get("legorl.base_sha") or "HEAD"
+        env_path = labels_img.get("legorl.env_path") or BASE_PATH
         mounts = []
         if harness_runtime:
             base_tag = reports[0].tag
@@ -1338,6 +1424,7 @@ class DockerBackend:
             rundir=rundir,
             runtime=harness_runtime,
             image=tag,
+            env_path=env_path,
         )
         touch_usage(tag)
         if relay is not None:

@@ -6,8 +6,10 @@
 
 A layer's key hashes its own recipe and its parent's key, so a changed recipe gives new tags
 for that layer and the ones above it and leaves the ones below untouched. A task that names a
-prebuilt ``image`` replaces base and env by that image (pulled when a registry is reachable).
-Pure data: the backends build these.
+prebuilt ``image`` replaces base and env by that image (pulled when a registry is reachable);
+with a ``source`` bundle the instance layer puts that repository at /testbed, without one it
+locks the image's own repository down (``legorl.sandbox.images``). Pure data: the backends
+build these.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from legorl.protocols import SandboxError
 from legorl.sandbox.common import WORKDIR, short_hash
+from legorl.sandbox.images import SCRUB_VERSION
 
 #: The Python each Debian suite ships as python3; an env layer picks its base by Python.
 SUITE_PYTHON: dict[str, str] = {"bullseye": "3.9", "bookworm": "3.11", "trixie": "3.13"}
@@ -25,6 +28,7 @@ BASE_PACKAGES: tuple[str, ...] = ("python3", "python3-venv", "git", "patch", "ca
 #: Bump when the way a layer is built changes, so old tags stop matching.
 RECIPE_VERSION = {"base": 1, "env": 1, "instance": 1, "runtime": 1}
 
+HISTORIES = ("one-commit", "image")  # what an instance keeps of its repository's history
 LEVELS = ("none", "base", "env", "instance")  # --cache-level, in order
 
 
@@ -91,24 +95,35 @@ def env_layer(task: Any, parent: Layer) -> Layer:
     return Layer("env", f"{task.repo}@{task.version}", recipe, parent)
 
 
-def instance_layer(task: Any, parent: Layer) -> Layer:
+def instance_layer(task: Any, parent: Layer, *, history: str = "one-commit") -> Layer:
     recipe = {
         "instance_id": task.instance_id,
         "repo": task.repo,
         "base_commit": task.base_commit,
         "workdir": WORKDIR,
-        "history": "one-commit",
+        "history": history,
     }
+    if parent.kind == "image" and not task.source:
+        recipe["repo_from"] = "image"  # the image's own /testbed, scrubbed in place
+        recipe["scrub"] = SCRUB_VERSION
     return Layer("instance", task.instance_id, recipe, parent)
 
 
-def plan(task: Any) -> list[Layer]:
-    """The layers a task's sandbox stands on, bottom first (base, env, instance or image, instance)."""
-    if not task.source:
-        raise SandboxError(f"{task.instance_id}: the task names no source repository")
+def plan(task: Any, *, history: str = "one-commit") -> list[Layer]:
+    """The layers a task's sandbox stands on, bottom first (base, env, instance or image,
+    instance). ``history`` is ``one-commit`` (the lockdown) or, for the control that shows
+    it matters, ``image``: an image's repository as the image has it."""
+    if history not in HISTORIES:
+        raise SandboxError(f"unknown history {history!r} (one of {', '.join(HISTORIES)})")
     if task.image:
         image = Layer("image", task.image, {"image": task.image})
-        return [image, instance_layer(task, image)]
+        if history != "one-commit" and task.source:
+            raise SandboxError(f"{task.instance_id}: history {history!r} needs the image's repo")
+        return [image, instance_layer(task, image, history=history)]
+    if not task.source:
+        raise SandboxError(f"{task.instance_id}: the task names no source repository")
+    if history != "one-commit":
+        raise SandboxError(f"{task.instance_id}: history {history!r} needs a prebuilt image")
     if task.env is None:
         raise SandboxError(f"{task.instance_id}: the task names neither an image nor an env recipe")
     base = base_layer(task.env.python)
