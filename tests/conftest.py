@@ -26,6 +26,18 @@ ROOT = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI") == "true"
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under `pytest -n N --dist loadgroup` (what `nox -s tests` runs), a test module's tests
+    stay on one worker, so its module fixtures (a vLLM server, a captured rollout) are built
+    once. A module that must not run beside another of its kind names a shared group instead
+    (``pytestmark = pytest.mark.xdist_group("vllm")``: the tests that count every vLLM process
+    on the host run one after another)."""
+    for item in items:
+        if not any(True for _ in item.iter_markers("xdist_group")):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
 def docker_backend():
     """The docker sandbox backend; skips without a daemon, fails under CI."""
     import shutil

@@ -25,6 +25,10 @@ import pytest
 
 from legorl.records import Trajectory, Turn, read_jsonl, write_jsonl
 
+# Every test here counts the host's vLLM processes: they run one after another, never beside
+# another module that starts vLLM (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("vllm")
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "fixtures" / "models" / "tiny-agent"
 SMALL_HEADS = ROOT / "fixtures" / "models" / "tiny-qwen3"  # head_dim 16

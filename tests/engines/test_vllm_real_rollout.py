@@ -18,6 +18,10 @@ from test_vllm_real import MODEL, ROOT, _reads, group_pids, vllm_python
 
 from legorl.records import Trajectory, read_jsonl
 
+# Every test here counts the host's vLLM processes: they run one after another, never beside
+# another module that starts vLLM (tests/conftest.py).
+pytestmark = pytest.mark.xdist_group("vllm")
+
 
 def _need_bwrap() -> None:
     if shutil.which("bwrap") is None:
