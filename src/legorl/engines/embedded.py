@@ -73,6 +73,10 @@ class EmbeddedConfig:
     # (engines/kvcache.py); "dynamic": transformers' DynamicCache, which copies all K/V each step
     kv_cache: Literal["grown", "dynamic"] = "grown"
 
+    def __post_init__(self) -> None:
+        if self.kv_cache not in ("grown", "dynamic"):
+            raise ValueError(f"kv_cache must be 'grown' or 'dynamic', got {self.kv_cache!r}")
+
 
 @dataclass(slots=True)
 class EmbeddedStats:
@@ -139,8 +143,6 @@ class EmbeddedEngine:
     def __init__(self, config: EmbeddedConfig) -> None:
         from legorl.engines.models import load_model, max_context_of
 
-        if config.kv_cache not in ("grown", "dynamic"):
-            raise EngineError(f"kv_cache must be 'grown' or 'dynamic', got {config.kv_cache!r}")
         self.config = config
         self.policy_version = 0
         self.stats = EmbeddedStats()
@@ -320,7 +322,7 @@ class EmbeddedEngine:
         n = min(_common_prefix(cached.tokens, seq.tokens), seq.prompt_len - 1)
         if n > 0:
             kept = [(k[:, :, :n], v[:, :, :n]) for k, v in cached.kv]
-            seq.cache = self._new_cache(kept, capacity=seq.prompt_len)
+            seq.cache = self._new_cache(kept, capacity=self._own_room(seq))
             seq.n_cached = n
             self.stats.reused_tokens += n
 
@@ -333,7 +335,7 @@ class EmbeddedEngine:
         ids = torch.tensor([seq.tokens[lo:hi]], device=self._device)  # [1, c]
         positions = torch.arange(lo, hi, device=self._device)[None]  # [1, c]
         if seq.cache is None:
-            seq.cache = self._new_cache(None, capacity=seq.prompt_len)
+            seq.cache = self._new_cache(None, capacity=self._own_room(seq))
         out = self._model(
             input_ids=ids, position_ids=positions, cache=seq.cache, use_cache=True, logits_to_keep=1
         )
@@ -564,6 +566,12 @@ class EmbeddedEngine:
                 self._loads.append(item)
         for load in self._loads:
             load.loop.call_soon_threadsafe(_resolve, load.future, error)
+
+    def _own_room(self, seq: _Sequence) -> int:
+        """Columns for a prefilling sequence's own cache: its prompt and, should it decode
+        alone, as many steps again before the first doubling."""
+        final = min(seq.prompt_len + seq.request.max_tokens, self.max_context)
+        return min(2 * seq.prompt_len, final)
 
     def _batch_room(self, width: int) -> int:
         """Columns to allocate for a batch cache ``width`` wide: double, but no more than the
