@@ -403,15 +403,20 @@ def grow_spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return grown
 
 
+def _mixed_prompts() -> list[list[int]]:
+    return [chat_prompt("Hi."), chat_prompt("Read the file. " * 4), [7] * 50]
+
+
 async def _mixed_batch(kv_cache: str) -> tuple[list[list], EmbeddedEngine]:
     engine = make_engine("embedded", model_path=str(MODEL), kv_cache=kv_cache)
     assert isinstance(engine, EmbeddedEngine)
-    prompts = [chat_prompt("Hi."), chat_prompt("Read the file. " * 12), [7] * 150]
-    lengths = (90, 40, 70)
+    # the middle one leaves early (the batch is rebuilt with room for twice its width); the
+    # other two then decode past that room, so the buffers double mid-batch
+    lengths = (150, 40, 150)
     runs = await asyncio.gather(
         *(
             collect(engine, GenerationRequest(prompt_ids=p, max_tokens=n, seed=20 + i))
-            for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+            for i, (p, n) in enumerate(zip(_mixed_prompts(), lengths, strict=True))
         )
     )
     return [steps for steps, _ in runs], engine
@@ -423,8 +428,7 @@ async def test_grown_cache_mixed_lengths_in_one_batch(grow_spy: list[int]) -> No
     await engine.close()
     assert engine.stats.max_batch == 3
     assert grow_spy, "decode never outgrew a batch buffer: the test did not exercise growth"
-    prompts = [chat_prompt("Hi."), chat_prompt("Read the file. " * 12), [7] * 150]
-    for prompt, steps in zip(prompts, grown, strict=True):
+    for prompt, steps in zip(_mixed_prompts(), grown, strict=True):
         ref = reference_logprobs(reference_model(), prompt + ids_of(steps), len(prompt), 1.0)
         assert agreement(lps_of(steps), ref)[0] < 1e-4
     # control: the old DynamicCache path never touches a buffer, and samples the same ids

@@ -55,8 +55,9 @@ def _vllm_python() -> tuple[str | None, str]:
             if info and info.get("found"):
                 return str(python), ""
             return None, f"{python} cannot import vllm"
-    where = "$LEGORL_VLLM_PYTHON" if env else ".venv-vllm (see .ci/run)"
-    return None, f"no vLLM: nothing at {where}"
+    if env:
+        return None, f"no vLLM: $LEGORL_VLLM_PYTHON={env} does not exist"
+    return None, "no vLLM: no .venv-vllm here or above the package (.ci/run installs it)"
 
 
 def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:

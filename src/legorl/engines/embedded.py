@@ -429,6 +429,17 @@ class EmbeddedEngine:
         padded = mask.shape[1]
         width = max(padded, length)
         old_pad, new_pad = width - padded, width - length
+        row = torch.ones(1, width, dtype=torch.bool, device=self._device)
+        row[:, :new_pad] = False
+        self._batch_mask = torch.cat([F.pad(mask, (old_pad, 0), value=False), row])
+        self._batch.append(seq)
+        rows, room = len(self._batch), self._batch_room(width)
+        if self.config.kv_cache == "grown":
+            from legorl.engines.kvcache import placed_cache
+
+            parts = [(0, old_pad, _kv_of(self._batch_cache)), (rows - 1, new_pad, _kv_of(cache))]
+            self._batch_cache = placed_cache(self._model.config, rows, width, room, parts)
+            return
         padded_kv = [
             (
                 torch.cat([F.pad(bk, (0, 0, old_pad, 0)), F.pad(k, (0, 0, new_pad, 0))]),
@@ -436,11 +447,7 @@ class EmbeddedEngine:
             )
             for (bk, bv), (k, v) in zip(_kv_of(self._batch_cache), _kv_of(cache), strict=True)
         ]
-        row = torch.ones(1, width, dtype=torch.bool, device=self._device)
-        row[:, :new_pad] = False
-        self._batch_mask = torch.cat([F.pad(mask, (old_pad, 0), value=False), row])
-        self._batch.append(seq)
-        self._batch_cache = self._new_cache(padded_kv, capacity=self._batch_room(width))
+        self._batch_cache = self._new_cache(padded_kv, capacity=room)
 
     def _leave(self, rows: list[int]) -> None:
         """Take ``rows`` out of the batch, keeping their caches as session prefixes."""
@@ -467,13 +474,24 @@ class EmbeddedEngine:
         # drop the columns that are padding in every remaining row
         trim = min(padded - s.n_cached for s in self._batch)
         index = torch.tensor(keep, device=self._device)
-        kept = [
-            (k.index_select(0, index)[:, :, trim:], v.index_select(0, index)[:, :, trim:])
-            for k, v in _kv_of(self._batch_cache)
-        ]
         self._batch_mask = mask.index_select(0, index)[:, trim:]
         width = padded - trim
-        self._batch_cache = self._new_cache(kept, capacity=self._batch_room(width))
+        room = self._batch_room(width)
+        kv = _kv_of(self._batch_cache)
+        if self.config.kv_cache == "grown":
+            from legorl.engines.kvcache import placed_cache
+
+            parts = [
+                (j, 0, [(k[i : i + 1, :, trim:], v[i : i + 1, :, trim:]) for k, v in kv])
+                for j, i in enumerate(keep)
+            ]
+            self._batch_cache = placed_cache(self._model.config, len(keep), width, room, parts)
+            return
+        kept = [
+            (k.index_select(0, index)[:, :, trim:], v.index_select(0, index)[:, :, trim:])
+            for k, v in kv
+        ]
+        self._batch_cache = self._new_cache(kept, capacity=room)
 
     def _finish(self, seq: _Sequence, kv: KV | None) -> None:
         seq.done = True

@@ -67,6 +67,14 @@ class GrowingLayer(DynamicLayer):
         self.values = self._v[:, :, :end]
         return self.keys, self.values
 
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        """Take ``keys``/``values`` [B, H_kv, capacity, D] as the buffers, ``length`` filled."""
+        self._k, self._v = keys, values
+        self.capacity, self.length = keys.shape[-2], length
+        self.device = keys.device
+        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+        self.is_initialized = True
+
     def _grow(self, need: int) -> None:
         import torch
 
@@ -111,6 +119,36 @@ def grown_cache(config: Any, kv: KV | None, capacity: int) -> Any:
             k, v = kv[i]
             layer.capacity = max(layer.capacity, k.shape[-2])
             layer.update(k, v)
+        layers.append(layer)
+    cache.layers = layers
+    return cache
+
+
+def placed_cache(
+    config: Any, rows: int, width: int, capacity: int, parts: list[tuple[int, int, KV]]
+) -> Any:
+    """A cache of ``rows`` sequences ``width`` columns long, with room for ``capacity``, built
+    in one copy: each part ``(row, column, kv)`` lands at those offsets, the rest is zeros
+    (left padding, masked out, but it must not hold NaNs that a zero weight would spread)."""
+    import torch
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    capacity = max(capacity, width)
+    layers: list[Any] = []
+    for i in range(len(cache.layers)):
+        k0, v0 = parts[0][2][i]
+        shape = (rows, k0.shape[1], capacity, k0.shape[3])
+        buffers = []
+        for like, which in ((k0, 0), (v0, 1)):
+            buf = torch.empty(shape, dtype=like.dtype, device=like.device)
+            buf[:, :, :width].zero_()
+            for row, column, kv in parts:
+                part = kv[i][which]
+                buf[row : row + part.shape[0], :, column : column + part.shape[2]] = part
+            buffers.append(buf)
+        layer = GrowingLayer(capacity)
+        layer.adopt(buffers[0], buffers[1], width)
         layers.append(layer)
     cache.layers = layers
     return cache
