@@ -353,3 +353,133 @@ async def test_a_failing_step_fails_its_requests_only(engine: EmbeddedEngine) ->
         await collect(engine, GenerationRequest(prompt_ids=prompt, max_tokens=10, seed=0))
     steps, _ = await collect(engine, GenerationRequest(prompt_ids=prompt, max_tokens=10, seed=0))
     assert len(steps) == 10  # the engine keeps serving
+
+
+# ---- the grown K/V cache (engines/kvcache.py) against transformers' DynamicCache -----------
+
+
+def test_grown_cache_layer_matches_a_full_forward() -> None:
+    from legorl.engines.kvcache import GrowingLayer, grown_cache, kv_views
+
+    model = reference_model()
+    ids = chat_prompt("Grow the cache past its first buffer.") + list(range(400, 440))
+    prompt = 9
+    with torch.inference_mode():
+        full = model(torch.tensor([ids])).logits[0]  # [T, V]
+        # room for 3 tokens: the prompt alone overflows it, then every few steps it doubles
+        cache = grown_cache(model.config, None, capacity=3)
+        steps = [model(input_ids=torch.tensor([ids[:prompt]]), cache=cache).logits[0, -1]]
+        for pos in range(prompt, len(ids)):
+            out = model(
+                input_ids=torch.tensor([[ids[pos]]]),
+                position_ids=torch.tensor([[pos]]),
+                cache=cache,
+            )
+            steps.append(out.logits[0, -1])
+    layers = cache.layers
+    assert all(isinstance(layer, GrowingLayer) for layer in layers)
+    assert layers[0].length == len(ids) and layers[0].grows >= 3, layers[0].grows
+    assert layers[0].capacity >= len(ids)
+    got = torch.stack(steps)  # logits for positions prompt-1 .. T-1
+    assert (got - full[prompt - 1 :]).abs().max() < 1e-4
+    # the views cover exactly the filled columns
+    keys, values = kv_views(cache)[0]
+    assert keys.shape[-2] == values.shape[-2] == len(ids)
+
+
+@pytest.fixture
+def grow_spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts real buffer doublings (the method still runs)."""
+    from legorl.engines.kvcache import GrowingLayer
+
+    grown: list[int] = []
+    real = GrowingLayer._grow
+
+    def counting(self: GrowingLayer, need: int) -> None:
+        grown.append(need)
+        real(self, need)
+
+    monkeypatch.setattr(GrowingLayer, "_grow", counting)
+    return grown
+
+
+def _mixed_prompts() -> list[list[int]]:
+    return [chat_prompt("Hi."), chat_prompt("Read the file. " * 4), [7] * 50]
+
+
+async def _mixed_batch(kv_cache: str) -> tuple[list[list], EmbeddedEngine]:
+    engine = make_engine("embedded", model_path=str(MODEL), kv_cache=kv_cache)
+    assert isinstance(engine, EmbeddedEngine)
+    # the middle one leaves early (the batch is rebuilt with room for twice its width); the
+    # other two then decode past that room, so the buffers double mid-batch
+    lengths = (150, 40, 150)
+    runs = await asyncio.gather(
+        *(
+            collect(engine, GenerationRequest(prompt_ids=p, max_tokens=n, seed=20 + i))
+            for i, (p, n) in enumerate(zip(_mixed_prompts(), lengths, strict=True))
+        )
+    )
+    return [steps for steps, _ in runs], engine
+
+
+@pytest.mark.asyncio
+async def test_grown_cache_mixed_lengths_in_one_batch(grow_spy: list[int]) -> None:
+    grown, engine = await _mixed_batch("grown")
+    await engine.close()
+    assert engine.stats.max_batch == 3
+    assert grow_spy, "decode never outgrew a batch buffer: the test did not exercise growth"
+    for prompt, steps in zip(_mixed_prompts(), grown, strict=True):
+        ref = reference_logprobs(reference_model(), prompt + ids_of(steps), len(prompt), 1.0)
+        assert agreement(lps_of(steps), ref)[0] < 1e-4
+    # control: the old DynamicCache path never touches a buffer, and samples the same ids
+    before = len(grow_spy)
+    dynamic, engine = await _mixed_batch("dynamic")
+    await engine.close()
+    assert len(grow_spy) == before
+    assert [ids_of(s) for s in grown] == [ids_of(s) for s in dynamic]
+    worst = max(agreement(lps_of(a), lps_of(b))[0] for a, b in zip(grown, dynamic, strict=True))
+    assert worst < 1e-4
+
+
+@pytest.mark.asyncio
+async def test_grown_cache_prefix_eviction_and_reuse() -> None:
+    engine = make_engine("embedded", model_path=str(MODEL), prefix_cache_entries=1)
+    assert isinstance(engine, EmbeddedEngine)
+    try:
+        first = {key: chat_prompt(f"Session {key}: open the tests.") for key in "ab"}
+        turn1 = {}
+        for key in "ab":  # b's prefix evicts a's (one entry kept)
+            steps, _ = await collect(
+                engine,
+                GenerationRequest(prompt_ids=first[key], max_tokens=30, seed=1, cache_key=key),
+            )
+            turn1[key] = ids_of(steps)
+        second = {key: first[key] + turn1[key] + chat_prompt("Go on.") for key in "ab"}
+        reused = engine.stats.reused_tokens
+        a2, _ = await collect(
+            engine, GenerationRequest(prompt_ids=second["a"], max_tokens=30, seed=2, cache_key="a")
+        )
+        assert engine.stats.reused_tokens == reused  # evicted: prefilled from scratch
+        # a's finished turn evicted b's prefix in turn; run b again to store and then reuse it
+        await collect(
+            engine, GenerationRequest(prompt_ids=first["b"], max_tokens=30, seed=1, cache_key="b")
+        )
+        b2, _ = await collect(
+            engine, GenerationRequest(prompt_ids=second["b"], max_tokens=30, seed=2, cache_key="b")
+        )
+        assert engine.stats.reused_tokens - reused == len(first["b"]) + len(turn1["b"]) - 1
+        for key, steps in (("a", a2), ("b", b2)):
+            prompt = second[key]
+            ref = reference_logprobs(reference_model(), prompt + ids_of(steps), len(prompt), 1.0)
+            assert agreement(lps_of(steps), ref)[0] < 1e-4, key
+        fresh, _ = await collect(
+            engine, GenerationRequest(prompt_ids=second["b"], max_tokens=30, seed=2)
+        )
+        assert ids_of(fresh) == ids_of(b2)
+    finally:
+        await engine.close()
+
+
+def test_kv_cache_option_is_checked() -> None:
+    with pytest.raises(ValueError, match="kv_cache must be 'grown' or 'dynamic', got 'static'"):
+        make_engine("embedded", model_path=str(MODEL), kv_cache="static")

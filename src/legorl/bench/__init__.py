@@ -71,6 +71,12 @@ def _verify(args: argparse.Namespace) -> dict[str, Any]:
     return bench_verify(quick=args.quick)
 
 
+def _decode(args: argparse.Namespace) -> dict[str, Any]:
+    from legorl.bench.decode import bench_decode
+
+    return bench_decode(quick=args.quick)
+
+
 def _tasks(args: argparse.Namespace) -> dict[str, Any]:
     from legorl.bench.tasks import bench_tasks
 
@@ -86,6 +92,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "rollout": _rollout,
     "verify": _verify,
     "tasks": _tasks,
+    "decode": _decode,
     "train": _train,
 }
 

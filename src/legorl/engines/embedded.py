@@ -18,6 +18,10 @@ How it serves many sessions at once (continuous batching):
   ``max_batch_size`` sequences decode together; more wait in line.
 * Membership changes re-pad the batch cache (a copy, only when a sequence joins or leaves).
   Padding costs attention work on the padded length: rows are not grouped by length.
+* K/V live in preallocated buffers (``kv_cache="grown"``, ``engines/kvcache.py``): a step
+  writes its keys and values in place and a full buffer doubles, instead of transformers'
+  ``DynamicCache`` copying every layer's whole cache each step (``kv_cache="dynamic"``, kept
+  for comparison). Both give the same numbers.
 
 Prefix reuse: when a sequence with a ``cache_key`` ends, its KV cache (prompt + completion, minus
 the last sampled token, which was never fed back) is kept in a bounded LRU. The next request
@@ -65,6 +69,13 @@ class EmbeddedConfig:
     prefill_chunk: int = 512  # prompt tokens per prefill forward; decode steps run in between
     prefix_cache_entries: int = 64  # sessions (cache keys) whose last KV cache is kept
     prefix_cache_tokens: int = 262_144  # and at most this many cached tokens over all of them
+    # "grown": K/V buffers with room to spare, written in place, doubled when full
+    # (engines/kvcache.py); "dynamic": transformers' DynamicCache, which copies all K/V each step
+    kv_cache: Literal["grown", "dynamic"] = "grown"
+
+    def __post_init__(self) -> None:
+        if self.kv_cache not in ("grown", "dynamic"):
+            raise ValueError(f"kv_cache must be 'grown' or 'dynamic', got {self.kv_cache!r}")
 
 
 @dataclass(slots=True)
@@ -100,7 +111,7 @@ class _Sequence:
         self.prompt_len = len(self.tokens)
         self.stop_ids = frozenset(request.stop_token_ids)
         self.n_cached = 0  # tokens whose K/V are in a cache: the next one sits at this position
-        self.kv: KV | None = None  # own cache while prefilling; the batch holds it afterwards
+        self.cache: Any = None  # own transformers cache while prefilling; then the batch's
         self.generator: torch.Generator | None = None
         self.cancelled = False  # set by the caller's side when it stops listening
         self.done = False
@@ -146,7 +157,7 @@ class EmbeddedEngine:
         self._waiting: deque[_Sequence] = deque()
         self._prefilling: deque[_Sequence] = deque()
         self._batch: list[_Sequence] = []
-        self._batch_kv: KV = []
+        self._batch_cache: Any = None  # transformers cache of the batch, left-padded
         self._batch_mask: torch.Tensor | None = None  # [B, P] bool, False on left padding
         self._loads: list[_Load] = []
         self._prefixes: OrderedDict[str, _Prefix] = OrderedDict()
@@ -310,7 +321,8 @@ class EmbeddedEngine:
         # at least one prompt token must run through the model to give the next-token logits
         n = min(_common_prefix(cached.tokens, seq.tokens), seq.prompt_len - 1)
         if n > 0:
-            seq.kv = [(k[:, :, :n], v[:, :, :n]) for k, v in cached.kv]
+            kept = [(k[:, :, :n], v[:, :, :n]) for k, v in cached.kv]
+            seq.cache = self._new_cache(kept, capacity=self._own_room(seq))
             seq.n_cached = n
             self.stats.reused_tokens += n
 
@@ -322,11 +334,11 @@ class EmbeddedEngine:
         hi = min(seq.prompt_len, lo + self.config.prefill_chunk)
         ids = torch.tensor([seq.tokens[lo:hi]], device=self._device)  # [1, c]
         positions = torch.arange(lo, hi, device=self._device)[None]  # [1, c]
-        cache = self._cache(seq.kv)
+        if seq.cache is None:
+            seq.cache = self._new_cache(None, capacity=self._own_room(seq))
         out = self._model(
-            input_ids=ids, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1
+            input_ids=ids, position_ids=positions, cache=seq.cache, use_cache=True, logits_to_keep=1
         )
-        seq.kv = _kv_of(cache)
         seq.n_cached = hi
         self.stats.prefill_tokens += hi - lo
         if hi < seq.prompt_len:
@@ -334,7 +346,7 @@ class EmbeddedEngine:
         self._prefilling.popleft()
         self._emit([seq], out.logits[:, -1])
         if seq.done:
-            self._finish(seq, seq.kv)
+            self._finish(seq, _kv_of(seq.cache))
         else:
             self._join(seq)
 
@@ -348,16 +360,14 @@ class EmbeddedEngine:
         ids = torch.tensor([[s.tokens[-1]] for s in batch], device=self._device)  # [B, 1]
         positions = torch.tensor([[s.n_cached] for s in batch], device=self._device)  # [B, 1]
         mask = torch.cat([mask, mask.new_ones(n, 1)], dim=1)  # [B, P + 1]
-        cache = self._cache(self._batch_kv)
         out = self._model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            cache=cache,
+            cache=self._batch_cache,
             use_cache=True,
             logits_to_keep=1,
         )
-        self._batch_kv = _kv_of(cache)
         self._batch_mask = mask
         for s in batch:
             s.n_cached += 1
@@ -406,12 +416,12 @@ class EmbeddedEngine:
         import torch
         import torch.nn.functional as F
 
-        assert seq.kv is not None
-        kv, seq.kv = seq.kv, None
+        assert seq.cache is not None
+        cache, seq.cache = seq.cache, None
         length = seq.n_cached
         if not self._batch:
             self._batch = [seq]
-            self._batch_kv = kv
+            self._batch_cache = cache
             self._batch_mask = torch.ones(1, length, dtype=torch.bool, device=self._device)
             return
         mask = self._batch_mask
@@ -419,17 +429,25 @@ class EmbeddedEngine:
         padded = mask.shape[1]
         width = max(padded, length)
         old_pad, new_pad = width - padded, width - length
-        self._batch_kv = [
-            (
-                torch.cat([F.pad(bk, (0, 0, old_pad, 0)), F.pad(k, (0, 0, new_pad, 0))]),
-                torch.cat([F.pad(bv, (0, 0, old_pad, 0)), F.pad(v, (0, 0, new_pad, 0))]),
-            )
-            for (bk, bv), (k, v) in zip(self._batch_kv, kv, strict=True)
-        ]
         row = torch.ones(1, width, dtype=torch.bool, device=self._device)
         row[:, :new_pad] = False
         self._batch_mask = torch.cat([F.pad(mask, (old_pad, 0), value=False), row])
         self._batch.append(seq)
+        rows, room = len(self._batch), self._batch_room(width)
+        if self.config.kv_cache == "grown":
+            from legorl.engines.kvcache import placed_cache
+
+            parts = [(0, old_pad, _kv_of(self._batch_cache)), (rows - 1, new_pad, _kv_of(cache))]
+            self._batch_cache = placed_cache(self._model.config, rows, width, room, parts)
+            return
+        padded_kv = [
+            (
+                torch.cat([F.pad(bk, (0, 0, old_pad, 0)), F.pad(k, (0, 0, new_pad, 0))]),
+                torch.cat([F.pad(bv, (0, 0, old_pad, 0)), F.pad(v, (0, 0, new_pad, 0))]),
+            )
+            for (bk, bv), (k, v) in zip(_kv_of(self._batch_cache), _kv_of(cache), strict=True)
+        ]
+        self._batch_cache = self._new_cache(padded_kv, capacity=room)
 
     def _leave(self, rows: list[int]) -> None:
         """Take ``rows`` out of the batch, keeping their caches as session prefixes."""
@@ -444,30 +462,45 @@ class EmbeddedEngine:
             # clone: a view would keep the whole batch tensor alive in the prefix cache
             own = [
                 (k[i : i + 1, :, start:].clone(), v[i : i + 1, :, start:].clone())
-                for k, v in self._batch_kv
+                for k, v in _kv_of(self._batch_cache)
             ]
             self._finish(seq, own)
         gone = set(rows)
         keep = [i for i in range(len(self._batch)) if i not in gone]
         self._batch = [self._batch[i] for i in keep]
         if not keep:
-            self._batch_kv, self._batch_mask = [], None
+            self._batch_cache, self._batch_mask = None, None
             return
         # drop the columns that are padding in every remaining row
         trim = min(padded - s.n_cached for s in self._batch)
         index = torch.tensor(keep, device=self._device)
-        self._batch_kv = [
-            (k.index_select(0, index)[:, :, trim:], v.index_select(0, index)[:, :, trim:])
-            for k, v in self._batch_kv
-        ]
         self._batch_mask = mask.index_select(0, index)[:, trim:]
+        width = padded - trim
+        room = self._batch_room(width)
+        kv = _kv_of(self._batch_cache)
+        if self.config.kv_cache == "grown":
+            from legorl.engines.kvcache import placed_cache
+
+            parts = [
+                (j, 0, [(k[i : i + 1, :, trim:], v[i : i + 1, :, trim:]) for k, v in kv])
+                for j, i in enumerate(keep)
+            ]
+            self._batch_cache = placed_cache(self._model.config, len(keep), width, room, parts)
+            return
+        kept = [
+            (k.index_select(0, index)[:, :, trim:], v.index_select(0, index)[:, :, trim:])
+            for k, v in kv
+        ]
+        self._batch_cache = self._new_cache(kept, capacity=room)
 
     def _finish(self, seq: _Sequence, kv: KV | None) -> None:
         seq.done = True
         key = seq.request.cache_key
         if key is None or kv is None or seq.n_cached == 0:
             return
-        self._store_prefix(key, _Prefix(seq.tokens[: seq.n_cached], kv))
+        # contiguous: a view into a grown buffer would keep its spare room alive in the LRU
+        tight = [(k.contiguous(), v.contiguous()) for k, v in kv]
+        self._store_prefix(key, _Prefix(seq.tokens[: seq.n_cached], tight))
 
     def _store_prefix(self, key: str, prefix: _Prefix) -> None:
         old = self._prefixes.pop(key, None)
@@ -489,7 +522,7 @@ class EmbeddedEngine:
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self._prefilling if s.cancelled]:
             self._prefilling.remove(seq)
-            self._finish(seq, seq.kv)
+            self._finish(seq, _kv_of(seq.cache) if seq.cache is not None else None)
         rows = [i for i, s in enumerate(self._batch) if s.cancelled]
         if rows:
             self._leave(rows)
@@ -517,7 +550,7 @@ class EmbeddedEngine:
                 if not seq.done:
                     seq.done = True
                     self._send(seq, error)
-            self._batch, self._batch_kv, self._batch_mask = [], [], None
+            self._batch, self._batch_cache, self._batch_mask = [], None, None
 
     def _do_loads(self) -> None:
         from legorl.engines.models import reload_weights
@@ -552,8 +585,28 @@ class EmbeddedEngine:
         for load in self._loads:
             load.loop.call_soon_threadsafe(_resolve, load.future, error)
 
-    def _cache(self, kv: KV | None) -> Any:
-        """A transformers DynamicCache holding ``kv`` (no copy), or an empty one."""
+    def _own_room(self, seq: _Sequence) -> int:
+        """Columns for a prefilling sequence's own cache: its prompt and, should it decode
+        alone, as many steps again before the first doubling."""
+        final = min(seq.prompt_len + seq.request.max_tokens, self.max_context)
+        return min(2 * seq.prompt_len, final)
+
+    def _batch_room(self, width: int) -> int:
+        """Columns to allocate for a batch cache ``width`` wide: double, but no more than the
+        longest row can still need (its prompt plus ``max_tokens``, within the context)."""
+        need = max(
+            width - s.n_cached + min(s.prompt_len + s.request.max_tokens, self.max_context)
+            for s in self._batch
+        )
+        return max(width + 1, min(2 * width, need))
+
+    def _new_cache(self, kv: KV | None, capacity: int) -> Any:
+        """A transformers cache holding ``kv`` (or empty): grown buffers with room for
+        ``capacity`` tokens (a copy), or a DynamicCache over the very tensors."""
+        if self.config.kv_cache == "grown":
+            from legorl.engines.kvcache import grown_cache
+
+            return grown_cache(self._model.config, kv, capacity)
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self._model.config)
