@@ -8,6 +8,8 @@ nox -s demo     # the main job: `legorl loop` on the embedded default (CPU, loca
 
 from __future__ import annotations
 
+import os
+
 import nox
 
 nox.options.default_venv_backend = "venv"
@@ -23,9 +25,14 @@ def _install(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """The whole test suite on CPU."""
+    """The whole test suite on CPU, on two workers (``LEGORL_TEST_WORKERS`` to change; a
+    module's tests share one, see tests/conftest.py). Arguments go to pytest, on one worker."""
     _install(session)
-    session.run("pytest", *session.posargs)
+    if session.posargs:
+        session.run("pytest", *session.posargs)
+        return
+    workers = os.environ.get("LEGORL_TEST_WORKERS", "2")
+    session.run("pytest", "-n", workers, "--dist", "loadgroup", "--durations", "25")
 
 
 @nox.session(python=PYTHON)

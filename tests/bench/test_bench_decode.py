@@ -11,6 +11,8 @@ import pytest
 from legorl.bench.decode import _vllm_python, bench_decode
 
 ROOT = Path(__file__).resolve().parents[2]
+# It starts a real vLLM server: never beside the tests that count the host's vLLM processes.
+pytestmark = pytest.mark.xdist_group("vllm")
 
 
 @pytest.mark.slow

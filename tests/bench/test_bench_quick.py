@@ -26,18 +26,29 @@ def _numbers(value: object) -> list[float]:
     return []
 
 
+# A section with a test of its own, which checks its figures more closely, is run there.
+OWN_TEST = {"decode": "tests/bench/test_bench_decode.py"}
+
+
 @pytest.mark.slow
-def test_every_bench_section_runs_quickly(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "name",
+    # Each section may run on its own test worker.
+    [pytest.param(n, marks=pytest.mark.xdist_group(f"bench-{n}")) for n in BENCHMARKS],
+)
+def test_every_bench_section_runs_quickly(tmp_path: Path, name: str) -> None:
+    if name in OWN_TEST:
+        assert (Path(__file__).parents[2] / OWN_TEST[name]).is_file()
+        return
     out = tmp_path / "bench.json"
     done = subprocess.run(
-        [sys.executable, "-m", "legorl.bench", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "legorl.bench", "--quick", "--only", name, "--out", str(out)],
         capture_output=True,
         timeout=1800,
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     report = json.loads(out.read_text())
-    for name in BENCHMARKS:
-        figures = _numbers(report[name])
-        assert figures, f"bench section {name} reported no figure"
-        assert all(math.isfinite(x) for x in figures), (name, report[name])
+    figures = _numbers(report[name])
+    assert figures, f"bench section {name} reported no figure"
+    assert all(math.isfinite(x) for x in figures), (name, report[name])
