@@ -12,7 +12,8 @@ exit code against the outcomes and the signed finish), ``differential`` (FAIL_TO
 pytest must pass in the independent runner), ``twin`` (a FAIL_TO_PASS test whose comparisons also
 hold against an impossible value gets ``always_equal``), ``audit`` (the independent runner's audit hook
 that keeps the signer out of the test code's reach, `plainrun.audit`), ``audit_pytest`` (the
-narrower one in the pytest run).
+narrower one in the pytest run), ``unittest_stream`` (off: a unittest-based runner is graded
+from its printed output alone, as the official harness grades it).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ DEFENCES = frozenset(
         "twin",
         "audit",
         "audit_pytest",
+        "unittest_stream",
     }
 )
 _EXTRA = ["-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", "."]
@@ -119,6 +121,8 @@ async def run_tests(
     """Run the task's tests once under our launch; the outcomes as the signed stream says (or,
     for a runner that only prints, as the official parser reads its output)."""
     grader = resolve(task)
+    if grader.kind == "unittest" and "unittest_stream" in off:
+        grader = replace(grader, kind="output")
     boot = await _stage(sandbox, grade_dir)
     key = secrets.token_hex(16)
     tag = secrets.token_hex(4)
