@@ -31,8 +31,12 @@ from legorl.verify.tree import judge as tree_judge
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ROOT / "fixtures" / "tasks"
 TASK_ID = "legorl-toy__geometry-1"
+# Django's spelling (SWE-bench's lists), and Python 3.11's unittest, which prints the method
+# name twice (the sandbox's runs print this one, so the printed-output parser keys it).
 UNIT_F2P = "test_area_non_square (tests.test_unit.AreaTest)"
 UNIT_P2P = "test_area_square (tests.test_unit.AreaTest)"
+PRINTED_F2P = "test_area_non_square (tests.test_unit.AreaTest.test_area_non_square)"
+PRINTED_P2P = "test_area_square (tests.test_unit.AreaTest.test_area_square)"
 UNIT_TESTS = """import unittest
 
 from geometry import rectangle_area
@@ -58,8 +62,11 @@ def test_area_square():
 # Prints as sympy's bin/test does in verbose mode: one "name ok" / "name F" / "name E" a test.
 SYM_RUNNER = """#!/usr/bin/env python
 import importlib.util
+import os
 import sys
 import traceback
+
+sys.path.insert(0, os.getcwd())
 
 failed = 0
 for path in sys.argv[1:]:
@@ -111,12 +118,12 @@ def _base() -> Task:
     return next(t for t in read_jsonl(TASKS / "train.jsonl", Task) if t.instance_id == TASK_ID)
 
 
-def unit_task() -> Task:
+def unit_task(printed: bool = True) -> Task:
     return dataclasses.replace(
         _base(),
         test_patch=_new_file("tests/test_unit.py", UNIT_TESTS),
-        FAIL_TO_PASS=[UNIT_F2P],
-        PASS_TO_PASS=[UNIT_P2P],
+        FAIL_TO_PASS=[PRINTED_F2P if printed else UNIT_F2P],
+        PASS_TO_PASS=[PRINTED_P2P if printed else UNIT_P2P],
         test_cmd="python -m unittest -v tests.test_unit",
         log_parser="parse_log_django",
     )
@@ -256,14 +263,18 @@ def test_the_runner_script_is_runner_configuration() -> None:
 
 
 def test_unittest_gold_passes_empty_fails_missing_name_fails() -> None:
-    task = unit_task()
+    task = unit_task(printed=False)
     missing = dataclasses.replace(task, FAIL_TO_PASS=["test_nowhere (tests.test_unit.AreaTest)"])
-    gold, empty, absent = _run(
-        _grade(task, task.patch), _grade(task, ""), _grade(missing, task.patch)
+    gold, printed, empty, absent = _run(
+        _grade(task, task.patch),
+        _grade(unit_task(), task.patch),
+        _grade(task, ""),
+        _grade(missing, task.patch),
     )
     assert gold.reward == 1.0, gold.verdict
     assert gold.verdict["tests"] == {UNIT_F2P: "passed", UNIT_P2P: "passed"}
     assert "output_parsed" not in gold.hack_flags
+    assert printed.reward == 1.0, printed.verdict  # the other spelling, the same records
     assert empty.reward == 0.0 and empty.verdict["tests"][UNIT_F2P] == "failed"
     assert absent.reward == 0.0
     assert absent.verdict["tests"]["test_nowhere (tests.test_unit.AreaTest)"] == "missing"
@@ -304,7 +315,7 @@ ATTACKS = {
     # name: (task, patch, defences the control switches off)
     "forged_ok_then_exit": (
         unit_task,
-        _forge(UNIT_F2P, UNIT_P2P),
+        _forge(PRINTED_F2P, PRINTED_P2P),
         {"unittest_stream", "differential"},
     ),
     "patched_text_result": (

@@ -192,7 +192,7 @@ STATUS = {"PASSED": "passed", "XFAIL": "passed", "FAILED": "failed", "ERROR": "e
 def _from_printed(parsed: dict[str, str], task: Task) -> TestResults:
     """Outcomes read from printed output only: whatever the run printed decides them, so the
     exit code and the independent runner are the checks."""
-    results = TestResults(finished=True)
+    results = TestResults(finished=bool(parsed))  # nothing read: the run never got going
     for name, status in parsed.items():
         results.outcomes[name] = STATUS.get(status, "skipped")
     required = {*task.FAIL_TO_PASS, *task.PASS_TO_PASS}
@@ -224,13 +224,14 @@ def plain_ids(task: Task, grader: Grader) -> dict[str, str]:
     out: dict[str, str] = {}
     files = [f for f in test_files(task) if f.endswith(".py")]
     for test in task.FAIL_TO_PASS:
-        unit = re.fullmatch(r"(\w+) \(([\w.]+)\.(\w+)\)", test)
-        if unit and grader.command.split()[:3] in (
-            ["python", "-m", "unittest"],
-            ["-m", "unittest"],
-        ):
-            path = unit.group(2).replace(".", "/") + ".py"
-            out[test] = f"{path}::{unit.group(3)}::{unit.group(1)}"
+        unit = re.fullmatch(r"(\w+) \(([\w.]+)\)", test)
+        words = grader.command.split()
+        runs_unittest = words[words[:1] in (["python"], ["python3"]) :][:2] == ["-m", "unittest"]
+        if unit and runs_unittest:
+            method, dotted = unit.groups()
+            dotted = dotted.removesuffix("." + method)  # Python 3.11 prints it twice
+            module, _, cls = dotted.rpartition(".")
+            out[test] = f"{module.replace('.', '/')}.py::{cls}::{method}"
         elif grader.kind == "output" and re.fullmatch(r"test_\w+", test):
             defined = [f for f in files if re.search(rf"^def {test}\(", _file_text(task, f), re.M)]
             if len(defined) == 1:
@@ -287,10 +288,11 @@ def judge(
         tests = {t: ("timeout" if o == "missing" else o) for t, o in tests.items()}
     notes: dict[str, Any] = {}
     problems: list[str] = []
-    if test_run.grader is not None and test_run.grader.kind == "output":
+    printed_only = test_run.grader is not None and test_run.grader.kind == "output"
+    if printed_only:
         flags.add("output_parsed")
         notes["graded_from"] = f"printed output ({test_run.grader.parser})"
-    if "stream" not in off and not results.finished:
+    if "stream" not in off and not results.finished and not printed_only:
         problems.append("the runner's record stream ended before its finish record")
     if results.tampered and "integrity" not in off:
         flags.add("runner_tampered")
