@@ -345,3 +345,106 @@ def test_attack_is_blocked_and_its_control_wins(name: str) -> None:
     defended, control = _run(_grade(task, patch), _grade(task, patch, frozenset(off)))
     assert control.reward == 1.0, (name, control.verdict)
     assert defended.reward == 0.0, (name, defended.verdict)
+
+
+# -- agreement with the official harness -----------------------------------------------------
+
+#: Patches of every kind of run: the fix, nothing, a wrong fix (fails), one that raises (errors).
+WRONG = "    return width * height + 1\n"
+RAISES = "    raise TypeError('no')\n"
+
+
+def _pytest_task() -> Task:
+    return _base()
+
+
+CORPUS: dict[str, Any] = {
+    "pytest": _pytest_task,
+    "parse_log_django": unit_task,
+    "parse_log_sympy": sym_task,
+}
+
+
+class _Spy:
+    """The real `run_tests`, keeping each run (by its task object) for the agreement check."""
+
+    def __init__(self) -> None:
+        from legorl.verify import runner
+
+        self.real = runner.run_tests
+        self.runs: dict[int, Any] = {}
+
+    async def __call__(self, sandbox: Any, task: Task, **kw: Any) -> Any:
+        test_run = await self.real(sandbox, task, **kw)
+        self.runs[id(task)] = test_run
+        return test_run
+
+
+def _official(task: Task, parser: str, patch: str, log: str, code: int | None, tmp: Path) -> bool:
+    from swebench.harness.grading import get_eval_report
+    from swebench.types import TestSpec
+
+    path = tmp / f"{uuid.uuid4().hex}.log"
+    # The layout the official eval script writes: markers around the test output, then the
+    # test command's own exit status.
+    path.write_text(
+        f">>>>> Start Test Output\n{log}\n>>>>> End Test Output\n>>>>> Test Exit Code: {code}\n"
+    )
+    spec = TestSpec(
+        instance_id=task.instance_id,
+        image="",
+        eval_script_list=[],
+        repo=task.repo,
+        version=task.version,
+        FAIL_TO_PASS=task.FAIL_TO_PASS,
+        PASS_TO_PASS=task.PASS_TO_PASS,
+        log_parser="parse_log_pytest" if parser == "pytest" else parser,
+        eval_type="pass_and_fail",
+    )
+    pred = {"instance_id": task.instance_id, "model_patch": patch}
+    return bool(get_eval_report(spec, pred, str(path), False)[task.instance_id]["resolved"])
+
+
+def test_verdicts_agree_with_swebench_get_eval_report(tmp_path: Path) -> None:
+    cases = []
+    for parser, make in CORPUS.items():
+        task = make()
+        renamed = dataclasses.replace(task, FAIL_TO_PASS=[task.FAIL_TO_PASS[0] + "_gone"])
+        for label, t, patch in (
+            ("gold", task, task.patch),
+            ("unfixed", task, _edit("# touched\n", BUGGY)),
+            ("wrong", task, _edit("", WRONG)),
+            ("raises", task, _edit("", RAISES)),
+            ("missing", renamed, task.patch),
+        ):
+            # A task object of its own per case: the spy files each run under it.
+            cases.append((parser, label, dataclasses.replace(t), patch))
+
+    async def all_cases() -> list[Trajectory]:
+        gate = asyncio.Semaphore(3)
+
+        async def one(t: Task, patch: str) -> Trajectory:
+            async with gate:
+                return await _grade(t, patch)
+
+        return list(await asyncio.gather(*(one(t, p) for _, _, t, p in cases)))
+
+    import legorl.verify as verify_module
+
+    spy = _Spy()
+    verify_module.run_tests = spy  # type: ignore[assignment]
+    try:
+        graded_all = asyncio.run(all_cases())
+    finally:
+        verify_module.run_tests = spy.real
+    agree, rows = 0, []
+    for (parser, label, task, patch), graded in zip(cases, graded_all, strict=True):
+        ours = graded.reward == 1.0
+        run = spy.runs[id(task)]
+        theirs = _official(task, parser, patch, run.log, run.run.exit_code, tmp_path)
+        agree += ours == theirs
+        rows.append((parser, label, ours, theirs))
+    # The corpus covers resolved and unresolved runs under every parser we claim.
+    assert {(p, o) for p, _, o, _ in rows} == {(p, v) for p in CORPUS for v in (True, False)}
+    print(f"agreement with swebench get_eval_report: {agree}/{len(rows)}")
+    assert agree == len(rows), [r for r in rows if r[2] != r[3]]
