@@ -25,6 +25,7 @@ import pytest
 from legorl.records import Task, Trajectory, read_jsonl
 from legorl.tasks import checkout
 from legorl.verify import VerifyConfig, grade
+from legorl.verify.redteam import unittest_variant
 from legorl.verify.specs import DEFAULT_CMD, SpecError, from_eval_script, resolve
 from legorl.verify.tree import judge as tree_judge
 
@@ -37,18 +38,6 @@ UNIT_F2P = "test_area_non_square (tests.test_unit.AreaTest)"
 UNIT_P2P = "test_area_square (tests.test_unit.AreaTest)"
 PRINTED_F2P = "test_area_non_square (tests.test_unit.AreaTest.test_area_non_square)"
 PRINTED_P2P = "test_area_square (tests.test_unit.AreaTest.test_area_square)"
-UNIT_TESTS = """import unittest
-
-from geometry import rectangle_area
-
-
-class AreaTest(unittest.TestCase):
-    def test_area_non_square(self):
-        self.assertEqual(rectangle_area(3, 5), 15)
-
-    def test_area_square(self):
-        self.assertEqual(rectangle_area(2, 2), 4)
-"""
 SYM_TESTS = """from geometry import rectangle_area
 
 
@@ -119,14 +108,11 @@ def _base() -> Task:
 
 
 def unit_task(printed: bool = True) -> Task:
-    return dataclasses.replace(
-        _base(),
-        test_patch=_new_file("tests/test_unit.py", UNIT_TESTS),
-        FAIL_TO_PASS=[PRINTED_F2P if printed else UNIT_F2P],
-        PASS_TO_PASS=[PRINTED_P2P if printed else UNIT_P2P],
-        test_cmd="python -m unittest -v tests.test_unit",
-        log_parser="parse_log_django",
-    )
+    """The red-team suite's unittest variant; ``printed=False``: Django's spelling."""
+    task = unittest_variant(_base())
+    if printed:
+        return task
+    return dataclasses.replace(task, FAIL_TO_PASS=[UNIT_F2P], PASS_TO_PASS=[UNIT_P2P])
 
 
 def sym_task() -> Task:
@@ -176,6 +162,11 @@ async def _grade(task: Task, patch: str, off: frozenset[str] = frozenset()) -> T
         turns=[],
         config=VerifyConfig(test_timeout=60.0, defences_off=off),
     )
+
+
+def _v(graded: Trajectory) -> dict[str, Any]:
+    assert graded.verdict is not None
+    return graded.verdict
 
 
 def _run(*jobs: Any) -> list[Trajectory]:
@@ -241,7 +232,7 @@ def test_unknown_repo_version_names_it_and_how_to_give_a_test_command() -> None:
             config=VerifyConfig(),
         )
     )
-    assert graded.reward is None and graded.verdict["reason"] == message
+    assert graded.reward is None and _v(graded)["reason"] == message
     with pytest.raises(SpecError, match="not one of swebench's"):
         resolve(dataclasses.replace(_base(), log_parser="parse_log_nonesuch"))
 
@@ -272,12 +263,12 @@ def test_unittest_gold_passes_empty_fails_missing_name_fails() -> None:
         _grade(missing, task.patch),
     )
     assert gold.reward == 1.0, gold.verdict
-    assert gold.verdict["tests"] == {UNIT_F2P: "passed", UNIT_P2P: "passed"}
+    assert _v(gold)["tests"] == {UNIT_F2P: "passed", UNIT_P2P: "passed"}
     assert "output_parsed" not in gold.hack_flags
     assert printed.reward == 1.0, printed.verdict  # the other spelling, the same records
-    assert empty.reward == 0.0 and empty.verdict["tests"][UNIT_F2P] == "failed"
+    assert empty.reward == 0.0 and _v(empty)["tests"][UNIT_F2P] == "failed"
     assert absent.reward == 0.0
-    assert absent.verdict["tests"]["test_nowhere (tests.test_unit.AreaTest)"] == "missing"
+    assert _v(absent)["tests"]["test_nowhere (tests.test_unit.AreaTest)"] == "missing"
 
 
 def test_printed_output_runner_is_flagged_and_graded() -> None:
@@ -285,7 +276,7 @@ def test_printed_output_runner_is_flagged_and_graded() -> None:
     gold, empty = _run(_grade(task, task.patch), _grade(task, ""))
     assert gold.reward == 1.0, gold.verdict
     assert "output_parsed" in gold.hack_flags and "output_parsed" in empty.hack_flags
-    assert empty.reward == 0.0 and empty.verdict["tests"]["test_area_non_square"] == "failed"
+    assert empty.reward == 0.0 and _v(empty)["tests"]["test_area_non_square"] == "failed"
 
 
 # -- attacks on the unittest and printed-output paths, each with its control -----------------
@@ -432,7 +423,7 @@ def test_verdicts_agree_with_swebench_get_eval_report(tmp_path: Path) -> None:
     import legorl.verify as verify_module
 
     spy = _Spy()
-    verify_module.run_tests = spy  # type: ignore[assignment]
+    verify_module.run_tests = spy
     try:
         graded_all = asyncio.run(all_cases())
     finally:

@@ -288,10 +288,11 @@ def judge(
         tests = {t: ("timeout" if o == "missing" else o) for t, o in tests.items()}
     notes: dict[str, Any] = {}
     problems: list[str] = []
-    printed_only = test_run.grader is not None and test_run.grader.kind == "output"
-    if printed_only:
+    grader = test_run.grader
+    printed_only = grader is not None and grader.kind == "output"
+    if grader is not None and printed_only:
         flags.add("output_parsed")
-        notes["graded_from"] = f"printed output ({test_run.grader.parser})"
+        notes["graded_from"] = f"printed output ({grader.parser})"
     if "stream" not in off and not results.finished and not printed_only:
         problems.append("the runner's record stream ended before its finish record")
     if results.tampered and "integrity" not in off:

@@ -26,8 +26,8 @@ from typing import Any
 
 from legorl.records import Task
 
-DEFAULT_CMD = Task.__dataclass_fields__["test_cmd"].default
-DEFAULT_PARSER = Task.__dataclass_fields__["log_parser"].default
+DEFAULT_CMD: str = Task.__dataclass_fields__["test_cmd"].default  # type: ignore[assignment]
+DEFAULT_PARSER: str = Task.__dataclass_fields__["log_parser"].default  # type: ignore[assignment]
 _START, _END = ">>>>> Start Test Output", ">>>>> End Test Output"
 _DIFF_PATH = re.compile(r"^diff --git a/(\S+) b/(\S+)$", re.MULTILINE)
 #: Repositories whose test command legorl builds itself: (command head, parser, how test files
