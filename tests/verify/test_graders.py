@@ -439,3 +439,14 @@ def test_verdicts_agree_with_swebench_get_eval_report(tmp_path: Path) -> None:
     assert {(p, o) for p, _, o, _ in rows} == {(p, v) for p in CORPUS for v in (True, False)}
     print(f"agreement with swebench get_eval_report: {agree}/{len(rows)}")
     assert agree == len(rows), [r for r in rows if r[2] != r[3]]
+
+
+def test_exits_from_code_under_test_never_pass() -> None:
+    """``sys.exit`` inside a test is the test's error; at import it ends the run before any
+    record: the required tests are missing. (No control: neither wins even undefended.)"""
+    task = unit_task()
+    in_test = _edit("import sys as _s\n", "    _s.exit(0)\n")
+    at_import = _edit("import sys as _s\n_s.exit(0)\n", BUGGY)
+    during, before = _run(_grade(task, in_test), _grade(task, at_import))
+    assert during.reward == 0.0 and _v(during)["tests"][PRINTED_F2P] == "error", _v(during)
+    assert before.reward == 0.0 and set(_v(before)["tests"].values()) == {"missing"}, _v(before)
