@@ -203,6 +203,8 @@ def test_known_repositories_get_the_official_command_and_parser() -> None:
     sympy = resolve(_row("sympy/sympy", "1.12"))
     assert sympy.kind == "output" and sympy.parser == "parse_log_sympy"
     assert sympy.runner == "bin/test" and "sympy/core/tests/test_y.py" in sympy.command
+    # What bin/test prints is all grading reads, so the code it prints from is runner code.
+    assert "sympy/testing/runtests.py" in sympy.runner_paths()
     script = "git apply x\n: '>>>>> Start Test Output'\npytest -rA tests/t.py\n: '>>>>> End Test Output'\n"
     assert from_eval_script(script) == "pytest -rA tests/t.py"
     row = _row("acme/widgets", "2.1", log_parser="parse_log_pytest")

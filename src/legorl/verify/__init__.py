@@ -83,7 +83,7 @@ async def grade(
     t0 = time.monotonic()
     sandbox: Sandbox | None = None
     try:
-        runner_script = resolve(task).runner
+        runner_paths = resolve(task).runner_paths()
     except SpecError as exc:
         verdict["reason"] = str(exc)
         return _done(traj, None, verdict, flags, t0)
@@ -101,7 +101,7 @@ async def grade(
             task,
             traj.patch,
             defences_off=config.defences_off,
-            runners=frozenset({runner_script} if runner_script else ()),
+            runners=runner_paths,
         )
         flags.update(judged.flags)
         verdict["dropped"] = judged.reverted

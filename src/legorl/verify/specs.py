@@ -44,6 +44,9 @@ KNOWN: dict[str, tuple[str, str, str]] = {
 ALIASES = {"pytest": "parse_log_pytest", "django": "parse_log_django", "sympy": "parse_log_sympy"}
 #: Runner scripts whose printed output is all there is (no in-process hook of ours).
 OUTPUT_ONLY = ("bin/test",)
+#: The code such a runner prints from, in the repository: runner configuration too (what it
+#: prints is all grading reads).
+RUNNER_CODE = {"bin/test": ("sympy/testing/runtests.py", "sympy/utilities/runtests.py")}
 
 
 class SpecError(ValueError):
@@ -56,6 +59,12 @@ class Grader:
     command: str  # shell command, run in the repository root
     parser: str | None  # the swebench parser that reads the printed output, if any
     runner: str | None  # the repository path of the runner script (runner configuration)
+
+    def runner_paths(self) -> frozenset[str]:
+        """Repository files the tree judge treats as runner configuration."""
+        if self.runner is None:
+            return frozenset()
+        return frozenset({self.runner, *RUNNER_CODE.get(self.runner, ())})
 
 
 def swebench_parser(name: str) -> Any:
