@@ -41,7 +41,7 @@ from legorl.protocols import Limits, SandboxBackend
 from legorl.records import Task, Trajectory, Turn, read_jsonl
 from legorl.rollout import Run, inprocess_proxy, run_one
 from legorl.verify import VerifyConfig, grade, runner, tree
-from legorl.verify.redteam import HACKS, Hack, honest, markdown_table
+from legorl.verify.redteam import HACKS, Hack, honest, markdown_table, unittest_variant
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ROOT / "fixtures" / "tasks"
@@ -99,6 +99,8 @@ def _task(variant: str = "") -> Task:
             FAIL_TO_PASS=["tests/test_area.py::test_rectangle_area_non_square"],
             test_cmd="python -m pytest -rA -p no:cacheprovider tests",
         )
+    if variant == "unittest":
+        task = unittest_variant(task)
     return task
 
 

@@ -29,8 +29,8 @@ from typing import Any
 
 from legorl.protocols import Limits, Sandbox, SandboxBackend, SandboxError
 from legorl.records import ENVIRONMENT_FAILURES, Task, Trajectory, Turn
-from legorl.verify.parsers import PARSERS
-from legorl.verify.runner import judge, run_tests
+from legorl.verify.runner import forged_printed, judge, run_tests
+from legorl.verify.specs import SpecError, resolve
 from legorl.verify.tree import GRADE_DIR, apply_model_patch, apply_test_patch
 
 _HISTORY = re.compile(
@@ -83,6 +83,11 @@ async def grade(
     t0 = time.monotonic()
     sandbox: Sandbox | None = None
     try:
+        runner_paths = resolve(task).runner_paths()
+    except SpecError as exc:
+        verdict["reason"] = str(exc)
+        return _done(traj, None, verdict, flags, t0)
+    try:
         sandbox = await backend.start(
             task,
             tasks_dir,
@@ -92,7 +97,11 @@ async def grade(
             harness_runtime=False,
         )
         judged = await apply_model_patch(
-            sandbox, task, traj.patch, defences_off=config.defences_off
+            sandbox,
+            task,
+            traj.patch,
+            defences_off=config.defences_off,
+            runners=runner_paths,
         )
         flags.update(judged.flags)
         verdict["dropped"] = judged.reverted
@@ -105,9 +114,6 @@ async def grade(
         applied, error = await apply_test_patch(sandbox, task, defences_off=config.defences_off)
         if applied is None:
             verdict["reason"] = f"the task's test_patch does not apply: {error}"
-            return _done(traj, None, verdict, flags, t0)
-        if task.log_parser not in PARSERS:
-            verdict["reason"] = f"unknown log parser {task.log_parser!r}"
             return _done(traj, None, verdict, flags, t0)
         test_run = await run_tests(
             sandbox, task, grade_dir=GRADE_DIR, timeout=config.test_timeout, off=config.defences_off
@@ -126,6 +132,8 @@ async def grade(
     printed = {m.group(1) or m.group(2) for m in _PASSED_LINE.finditer(test_run.log)}
     printed &= {*task.FAIL_TO_PASS, *task.PASS_TO_PASS}
     if any(results.outcomes.get(t) != "passed" for t in printed) or _writes_results(clean):
+        flags.add("forged_output")
+    if forged_printed(test_run, task):
         flags.add("forged_output")
     tests, runner_flags, notes = judge(task, test_run, clean, config.defences_off)
     flags.update(runner_flags)

@@ -3,6 +3,8 @@
 
     python -I -B /tmp/legorl-grade/boot-….py pytest SINK [OPTIONS] -- PYTEST_ARGS < key
     python -I -B /tmp/legorl-grade/boot-….py plain SINK [OPTIONS] -- NODEID … < key
+    python -I -B /tmp/legorl-grade/boot-….py unittest SINK [OPTIONS] -- SCRIPT ARGS < key
+    python -I -B /tmp/legorl-grade/boot-….py unittest SINK [OPTIONS] -- -m MODULE ARGS < key
 
 OPTIONS: ``--no-integrity``, ``--no-twin``, ``--no-audit``, ``--watch=FILE`` (a JSON list of the test ids whose
 outcomes are recorded one by one; the others are only counted), ``--log=FILE`` (where the run's
@@ -16,6 +18,9 @@ installed distributions' entry points before the repository joins ``sys.path`` (
 and our plugin goes to ``pytest.main`` as an object under a random module name; repository
 modules the environment also has (which lose to it) are named in a signed ``shadowed`` record. ``plain`` mode
 runs the named tests with the independent runner (`plainrun.py`), never importing ``_pytest``.
+``unittest`` mode puts our result recorder in place (`unittest_report.py`), then runs the
+runner script (or module) with ``runpy`` as ``__main__``, the repository and the script's
+folder last on ``sys.path``; its ``SystemExit`` status goes into the signed finish record.
 Before the repository joins ``sys.path`` an audit hook goes in (`plainrun.audit`): the full
 one in ``plain`` mode, in ``pytest`` mode one refusing only what pytest never needs. The
 signer is only ever a local of `main`, never a global or an attribute of anything importable.
@@ -59,6 +64,30 @@ def _shadowing(repo):
     return names
 
 
+def _unittest(here, args, emit, guard, repo, plain, options, watch):
+    import runpy
+
+    ut = _load(os.path.join(here, "unittest_report.py"), "_legorl_" + secrets.token_hex(8))
+    finish = ut.install(emit, guard, integrity="--no-integrity" not in options, watch=watch)
+    if "--no-audit" not in options:
+        plain.audit(pytest=True)
+    sys.path.append(repo)
+    try:
+        if args[0] == "-m":
+            sys.argv = ["python -m " + args[1], *args[2:]]
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        else:
+            script = os.path.join(repo, args[0])
+            sys.argv = [script, *args[1:]]
+            sys.path.append(os.path.dirname(os.path.abspath(script)))
+            runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = ut.exit_code(exc)
+    finish(code)
+    return code
+
+
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
     report = _load(os.path.join(here, "pytest_report.py"), "_legorl_" + secrets.token_hex(8))
@@ -85,6 +114,12 @@ def main():
         sys.path.append(repo)
         twin = "--no-twin" not in options
         sys.exit(plain.run(args, emit, repo=repo, twin=twin, refused=refused))
+    watch = None
+    if "watch" in settings:
+        with open(settings["watch"], encoding="utf-8") as fh:
+            watch = frozenset(json.load(fh))
+    if mode == "unittest":
+        sys.exit(_unittest(here, args, emit, report.Guard, repo, plain, options, watch))
     os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     from importlib.metadata import entry_points
 
@@ -99,10 +134,6 @@ def main():
     shadowing = _shadowing(repo)
     if shadowing:
         emit({"event": "shadowed", "names": shadowing})
-    watch = None
-    if "watch" in settings:
-        with open(settings["watch"], encoding="utf-8") as fh:
-            watch = frozenset(json.load(fh))
     ours = report.make_plugin(
         emit,
         "_legorl_" + secrets.token_hex(8),

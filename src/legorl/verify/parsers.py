@@ -82,9 +82,11 @@ class PytestReportParser:
                     outcome = "error"
                 if record["when"] != "call" and outcome == "failed":
                     outcome = "error"  # setup or teardown failed
-                old = results.outcomes.get(nodeid)
-                if old is None or _RANK[outcome] < _RANK[old]:
-                    results.outcomes[nodeid] = outcome
+                # The unittest recorder also signs the other spellings runners print.
+                for name in [nodeid, *record.get("aliases", ())]:
+                    old = results.outcomes.get(name)
+                    if old is None or _RANK[outcome] < _RANK[old]:
+                        results.outcomes[name] = outcome
             elif event == "collect_error":
                 results.collect_errors.append(record["nodeid"])
             elif event == "tampered":
@@ -99,3 +101,8 @@ class PytestReportParser:
 
 
 PARSERS: dict[str, LogParser] = {"pytest": PytestReportParser()}
+
+
+def parse_stream(stream: bytes, key: bytes) -> TestResults:
+    """The signed stream of any of our recorders (pytest plugin, unittest recorder, plain)."""
+    return PARSERS["pytest"].parse(stream, key)

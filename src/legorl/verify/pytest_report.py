@@ -96,10 +96,12 @@ def _functions(owner: Any) -> list[tuple[str, Any]]:
 class Guard:
     """What the runner's report-making code was before the code under test could touch it."""
 
-    def __init__(self, extra: dict[str, Any]) -> None:
+    def __init__(
+        self, extra: dict[str, Any], *, modules: tuple[str, ...] = GUARDED_MODULES
+    ) -> None:
         self.entries: list[tuple[str, Any, str, Any, Any]] = []  # label, owner, name, obj, code
         self.class_keys: list[tuple[str, Any, frozenset]] = []  # label, class, _behaviour()
-        for modname in GUARDED_MODULES:
+        for modname in modules:
             try:
                 module = importlib.import_module(modname)
             except ImportError:
@@ -124,7 +126,7 @@ class Guard:
         """Hook callers, their implementations and the classes' attribute names as configured
         (plugins and initial conftests in, pytest's own lazy attributes set), just before
         collection imports the first test module."""
-        self.class_keys = [(label, cls, _behaviour(cls)) for label, cls, _ in self.class_keys]
+        self.snapshot()
         self.manager = manager
         self.inner = manager._inner_hookexec
         for hook in GUARDED_HOOKS:
@@ -132,6 +134,12 @@ class Guard:
             if caller is not None:
                 impls = frozenset((id(i.plugin), i.function) for i in caller.get_hookimpls())
                 self.hooks[hook] = (caller, impls)
+
+    def snapshot(self, extra_classes: dict[str, type] | None = None) -> None:
+        """The guarded classes' attribute names as they are now (and ``extra_classes``)."""
+        self.class_keys = [(label, cls, _behaviour(cls)) for label, cls, _ in self.class_keys]
+        for label, cls in (extra_classes or {}).items():
+            self.class_keys.append((label, cls, _behaviour(cls)))
 
     def changed(self) -> list[str]:
         bad = []

@@ -12,22 +12,25 @@ exit code against the outcomes and the signed finish), ``differential`` (FAIL_TO
 pytest must pass in the independent runner), ``twin`` (a FAIL_TO_PASS test whose comparisons also
 hold against an impossible value gets ``always_equal``), ``audit`` (the independent runner's audit hook
 that keeps the signer out of the test code's reach, `plainrun.audit`), ``audit_pytest`` (the
-narrower one in the pytest run).
+narrower one in the pytest run), ``unittest_stream`` (off: a unittest-based runner is graded
+from its printed output alone, as the official harness grades it).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from legorl.protocols import ExecResult, Sandbox, SandboxError
 from legorl.records import Task
-from legorl.verify.parsers import PARSERS, TestResults, records
+from legorl.verify.parsers import TestResults, parse_stream, records
 from legorl.verify.scans import constant_comparisons, runner_tamper_suspects
+from legorl.verify.specs import Grader, resolve, swebench_parser, test_files
 
 HERE = Path(__file__).resolve().parent
 DEFENCES = frozenset(
@@ -40,6 +43,7 @@ DEFENCES = frozenset(
         "twin",
         "audit",
         "audit_pytest",
+        "unittest_stream",
     }
 )
 _EXTRA = ["-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", "."]
@@ -55,12 +59,21 @@ def pytest_args(task: Task) -> list[str] | None:
 
 
 def _test_command(
-    task: Task, *, boot: str, sink: str, off: frozenset[str], options: list[str]
+    task: Task, grader: Grader, *, boot: str, sink: str, off: frozenset[str], options: list[str]
 ) -> str:
+    if grader.kind == "output":
+        return grader.command
+    if grader.kind == "unittest":
+        argv = shlex.split(grader.command)
+        if argv and argv[0] in ("python", "python3"):
+            argv = argv[1:]
+        options = [*options, *(["--no-integrity"] if "integrity" in off else [])]
+        options += ["--no-audit"] if "audit_pytest" in off else []
+        return shlex.join(["python", "-I", "-B", boot, "unittest", sink, *options, "--", *argv])
     # Our plugin, and nothing from the repository's own pytest options.
-    args = pytest_args(task)
+    args = pytest_args(replace(task, test_cmd=grader.command))
     if args is None:
-        return task.test_cmd
+        return grader.command
     if "isolated_runner" in off:
         return shlex.join(["python", "-m", "pytest", "-p", "legorl_pytest_report", *_EXTRA, *args])
     options = [*options, *(["--no-integrity"] if "integrity" in off else [])]
@@ -75,13 +88,16 @@ class TestRun:
     results: TestResults
     log: str  # what the run printed (the code under test could write it too)
     plain: dict[str, dict[str, Any]] | None = None  # nodeid -> the independent runner's record
+    grader: Grader | None = None
+    #: The official parser's reading of the printed output (test name -> its status word).
+    parsed: dict[str, str] = field(default_factory=dict)
 
 
 async def _stage(sandbox: Sandbox, grade_dir: str) -> str:
     """Copy the runner files into the grading dir; the bootstrap's path (a per-run name)."""
     boot = f"{grade_dir}/boot-{secrets.token_hex(6)}.py"
     await sandbox.write_file(boot, (HERE / "bootstrap.py").read_bytes())
-    for name in ("pytest_report.py", "plainrun.py"):
+    for name in ("pytest_report.py", "plainrun.py", "unittest_report.py"):
         await sandbox.write_file(f"{grade_dir}/{name}", (HERE / name).read_bytes())
     # The legacy launch (isolated_runner off) finds the plugin by this name.
     await sandbox.write_file(
@@ -102,7 +118,11 @@ async def _read_stream(sandbox: Sandbox, run: ExecResult, sink: str) -> bytes:
 async def run_tests(
     sandbox: Sandbox, task: Task, *, grade_dir: str, timeout: float, off: frozenset[str]
 ) -> TestRun:
-    """Run the task's tests once under our launch; the outcomes as the signed stream says."""
+    """Run the task's tests once under our launch; the outcomes as the signed stream says (or,
+    for a runner that only prints, as the official parser reads its output)."""
+    grader = resolve(task)
+    if grader.kind == "unittest" and "unittest_stream" in off:
+        grader = replace(grader, kind="output")
     boot = await _stage(sandbox, grade_dir)
     key = secrets.token_hex(16)
     tag = secrets.token_hex(4)
@@ -111,7 +131,7 @@ async def run_tests(
     watch, log = f"{grade_dir}/watch-{tag}.json", f"{grade_dir}/pytest-{tag}.log"
     await sandbox.write_file(watch, json.dumps(required).encode())
     env = {"PYTHONDONTWRITEBYTECODE": "1"}
-    if "isolated_runner" in off:
+    if "isolated_runner" in off and grader.kind == "pytest":
         env.update(PYTHONPATH=grade_dir, LEGORL_REPORT=sink)
         env["LEGORL_INTEGRITY"] = "0" if "integrity" in off else "1"
     run = await sandbox.exec(
@@ -119,7 +139,12 @@ async def run_tests(
             "sh",
             "-c",
             _test_command(
-                task, boot=boot, sink=sink, off=off, options=[f"--watch={watch}", f"--log={log}"]
+                task,
+                grader,
+                boot=boot,
+                sink=sink,
+                off=off,
+                options=[f"--watch={watch}", f"--log={log}"],
             ),
         ],
         timeout=timeout,
@@ -127,30 +152,127 @@ async def run_tests(
         env=env,
         stdin=(key + "\n").encode(),
     )
-    parser = PARSERS[task.log_parser]
-    stream = await _read_stream(sandbox, run, sink)
     printed = run.output
-    if "isolated_runner" not in off:
+    if "isolated_runner" not in off and grader.kind != "output":
         printed = (await _read_stream(sandbox, run, log))[-(1 << 20) :].decode(errors="replace")
-    test_run = TestRun(run=run, results=parser.parse(stream, key.encode()), log=printed)
+    parsed = _parse_printed(grader, printed, task)
+    if grader.kind == "output":
+        results = _from_printed(parsed, task)
+    else:
+        results = parse_stream(await _read_stream(sandbox, run, sink), key.encode())
+    test_run = TestRun(run=run, results=results, log=printed, grader=grader, parsed=parsed)
     wanted = {"differential", "twin"} - off
     if wanted and all(test_run.results.outcomes.get(t) == "passed" for t in required):
-        test_run.plain = await _plain(sandbox, task, boot=boot, timeout=timeout, off=off)
+        test_run.plain = await _plain(sandbox, task, grader, boot=boot, timeout=timeout, off=off)
     return test_run
 
 
+def _parse_printed(grader: Grader, printed: str, task: Task) -> dict[str, str]:
+    if grader.parser is None:
+        return {}
+    from swebench.types import TestSpec
+
+    spec = TestSpec(
+        instance_id=task.instance_id,
+        image="",
+        eval_script_list=[],
+        repo=task.repo,
+        version=task.version,
+        FAIL_TO_PASS=task.FAIL_TO_PASS,
+        PASS_TO_PASS=task.PASS_TO_PASS,
+        log_parser=grader.parser,
+    )
+    return {str(k): str(v) for k, v in swebench_parser(grader.parser)(printed, spec).items()}
+
+
+#: The official parsers' status words, as legorl's outcomes (an expected failure passes there).
+STATUS = {"PASSED": "passed", "XFAIL": "passed", "FAILED": "failed", "ERROR": "error"}
+
+
+def _from_printed(parsed: dict[str, str], task: Task) -> TestResults:
+    """Outcomes read from printed output only: whatever the run printed decides them, so the
+    exit code and the independent runner are the checks."""
+    results = TestResults(finished=bool(parsed))  # nothing read: the run never got going
+    for name, status in parsed.items():
+        results.outcomes[name] = STATUS.get(status, "skipped")
+    required = {*task.FAIL_TO_PASS, *task.PASS_TO_PASS}
+    results.others_failed = sum(
+        o in ("failed", "error") for n, o in results.outcomes.items() if n not in required
+    )
+    return results
+
+
+def forged_printed(test_run: TestRun, task: Task) -> list[str]:
+    """Required tests the printed output calls passed that the signed records do not."""
+    if test_run.grader is None or test_run.grader.kind == "output":
+        return []
+    required = [*task.FAIL_TO_PASS, *task.PASS_TO_PASS]
+    return [
+        t
+        for t in required
+        if STATUS.get(test_run.parsed.get(t, "")) == "passed"
+        and test_run.results.outcomes.get(t) != "passed"
+    ]
+
+
+def plain_ids(task: Task, grader: Grader) -> dict[str, str]:
+    """FAIL_TO_PASS names as the independent runner's node ids, where it can run them: pytest
+    ids as they are, ``test_x (pkg.mod.Class)`` of a plain unittest run, and a bare function
+    name (sympy) defined in one test file of the test_patch. Django's need its settings."""
+    if grader.kind == "pytest":
+        return {t: t for t in task.FAIL_TO_PASS}
+    out: dict[str, str] = {}
+    files = [f for f in test_files(task) if f.endswith(".py")]
+    for test in task.FAIL_TO_PASS:
+        unit = re.fullmatch(r"(\w+) \(([\w.]+)\)", test)
+        words = grader.command.split()
+        runs_unittest = words[words[:1] in (["python"], ["python3"]) :][:2] == ["-m", "unittest"]
+        if unit and runs_unittest:
+            method, dotted = unit.groups()
+            dotted = dotted.removesuffix("." + method)  # Python 3.11 prints it twice
+            module, _, cls = dotted.rpartition(".")
+            out[test] = f"{module.replace('.', '/')}.py::{cls}::{method}"
+        elif grader.kind == "output" and re.fullmatch(r"test_\w+", test):
+            defined = [f for f in files if re.search(rf"^def {test}\(", _file_text(task, f), re.M)]
+            if len(defined) == 1:
+                out[test] = f"{defined[0]}::{test}"
+    return out
+
+
+def _file_text(task: Task, path: str) -> str:
+    """The lines the test_patch gives ``path`` (what it adds and keeps)."""
+    chunk = task.test_patch.split(f"diff --git a/{path} b/{path}\n", 1)[-1].split(
+        "\ndiff --git ", 1
+    )[0]
+    return "\n".join(ln[1:] for ln in chunk.splitlines() if ln[:1] in ("+", " "))
+
+
 async def _plain(
-    sandbox: Sandbox, task: Task, *, boot: str, timeout: float, off: frozenset[str]
+    sandbox: Sandbox,
+    task: Task,
+    grader: Grader,
+    *,
+    boot: str,
+    timeout: float,
+    off: frozenset[str],
 ) -> dict[str, dict[str, Any]]:
+    ids = plain_ids(task, grader)
+    uncovered = {"outcome": "uncovered", "detail": "the independent runner cannot run it"}
+    out = {t: {"event": "plain", "nodeid": t, **uncovered} for t in task.FAIL_TO_PASS}
+    if not ids:
+        return out
     key = secrets.token_hex(16)
     options = ["--no-twin"] if "twin" in off else []
     options += ["--no-audit"] if "audit" in off else []
-    argv = ["python", "-I", "-B", boot, "plain", "fd", *options, "--", *task.FAIL_TO_PASS]
+    argv = ["python", "-I", "-B", boot, "plain", "fd", *options, "--", *ids.values()]
     run = await sandbox.exec(
         argv, timeout=timeout, cwd=sandbox.workdir, stdin=(key + "\n").encode()
     )
     found, _ = records(run.output.encode(), key.encode())
-    return {r["nodeid"]: r for r in found if r.get("event") == "plain"}
+    by_id = {r["nodeid"]: r for r in found if r.get("event") == "plain"}
+    for test, nodeid in ids.items():
+        out[test] = by_id.get(nodeid, {"outcome": "missing"})
+    return out
 
 
 def judge(
@@ -166,7 +288,12 @@ def judge(
         tests = {t: ("timeout" if o == "missing" else o) for t, o in tests.items()}
     notes: dict[str, Any] = {}
     problems: list[str] = []
-    if "stream" not in off and not results.finished:
+    grader = test_run.grader
+    printed_only = grader is not None and grader.kind == "output"
+    if grader is not None and printed_only:
+        flags.add("output_parsed")
+        notes["graded_from"] = f"printed output ({grader.parser})"
+    if "stream" not in off and not results.finished and not printed_only:
         problems.append("the runner's record stream ended before its finish record")
     if results.tampered and "integrity" not in off:
         flags.add("runner_tampered")

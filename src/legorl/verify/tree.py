@@ -191,8 +191,11 @@ def judge(
     names: set[str],
     roots: list[str],
     base_paths: set[str],
+    runners: frozenset[str] = frozenset(),
 ) -> list[tuple[str, str]]:
-    """(path, reason) of each changed path that breaks a rule, decided on the real tree."""
+    """(path, reason) of each changed path that breaks a rule, decided on the real tree.
+    ``runners``: the scripts the task's test command runs (``tests/runtests.py``, ``bin/test``),
+    runner configuration like conftest.py."""
     tops = {r: {_module_name(p[len(r) :]) for p in base_paths if p.startswith(r)} for r in roots}
     out = []
     for row in rows:
@@ -206,10 +209,14 @@ def judge(
             reason = "test_patch_path_created" if before is None else "tests_touched"
         elif is_test_file(path):
             reason = "tests_touched"
-        elif _runner_file(parts) or (
-            name in PYTEST_SECTIONS
-            and _pytest_sections(name, row.get("before_text"))
-            != _pytest_sections(name, row.get("after_text"))
+        elif (
+            path in runners
+            or _runner_file(parts)
+            or (
+                name in PYTEST_SECTIONS
+                and _pytest_sections(name, row.get("before_text"))
+                != _pytest_sections(name, row.get("after_text"))
+            )
         ):
             reason = "runner_config_touched"
         elif "__pycache__" in parts or name.endswith((".pyc", ".pyo")):
@@ -304,7 +311,12 @@ async def _legacy_apply(sandbox: Sandbox, path: str) -> tuple[str | None, str]:
 
 
 async def apply_model_patch(
-    sandbox: Sandbox, task: Task, patch: str, *, defences_off: frozenset[str] = frozenset()
+    sandbox: Sandbox,
+    task: Task,
+    patch: str,
+    *,
+    defences_off: frozenset[str] = frozenset(),
+    runners: frozenset[str] = frozenset(),
 ) -> Judged:
     """Apply the model's patch and judge the tree; see the module docstring."""
     strict = "strict_patch" not in defences_off
@@ -328,13 +340,15 @@ async def apply_model_patch(
         if judged.method is None:
             return judged
     if "judge_tree" not in defences_off:
-        await _judge_tree(sandbox, task, judged)
+        await _judge_tree(sandbox, task, judged, runners)
     else:
         judged.diff = patch
     return judged
 
 
-async def _judge_tree(sandbox: Sandbox, task: Task, judged: Judged) -> None:
+async def _judge_tree(
+    sandbox: Sandbox, task: Task, judged: Judged, runners: frozenset[str] = frozenset()
+) -> None:
     base = await _base_sha(sandbox)
     # The environment's own interpreter, isolated: it knows what the environment can import.
     found = await probe(
@@ -356,6 +370,7 @@ async def _judge_tree(sandbox: Sandbox, task: Task, judged: Judged) -> None:
         names=set(found["names"]) - {"tree_probe"},
         roots=import_roots(task, after),
         base_paths=base_paths,
+        runners=runners,
     )
     bad = rules(found["changes"])
     rows = {r["path"]: r for r in found["changes"]}
