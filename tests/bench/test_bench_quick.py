@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,8 @@ def test_every_bench_section_runs_quickly(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     report = json.loads(out.read_text())
     for name in BENCHMARKS:
+        if "skipped" in report[name] and os.environ.get("CI") != "true":
+            continue  # say, no vLLM here; under CI=true every section must measure
         figures = _numbers(report[name])
         assert figures, f"bench section {name} reported no figure"
         assert all(math.isfinite(x) for x in figures), (name, report[name])
