@@ -146,6 +146,8 @@ def test_align_agrees_and_train_takes_a_step_on_the_real_harness_runs(tmp_path: 
     write_jsonl(graded, trajs)
     summary = tmp_path / "align.json"
     samples = tmp_path / "samples.jsonl"
+    # Claude Code's run ends truncated: DAPO's length penalty keeps it in the step, shaped,
+    # where the default rule (mask) would give it weight 0.
     done = legorl(
         "align", str(graded), "--out", str(samples), "--check", "--model", str(MODEL),
         "--min-corr", "0.999", "--summary", str(summary), "--device", "cpu",
