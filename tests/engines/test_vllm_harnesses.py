@@ -141,7 +141,15 @@ def test_align_agrees_and_train_takes_a_step_on_the_real_harness_runs(tmp_path: 
     for i, run in enumerate(RUNS.values()):
         refs = [os.path.relpath(run.folder / ref, tmp_path) for ref in run.traj.turns_ref or []]
         # one group with differing rewards, so the step has an advantage to follow
-        trajs.append(replace(run.traj, turns_ref=refs, group_id="g", reward=float(i % 2)))
+        trajs.append(
+            replace(
+                run.traj,
+                trajectory_id=f"{run.harness}-{run.traj.trajectory_id}",  # one task, three runs
+                turns_ref=refs,
+                group_id="g",
+                reward=float(i % 2),
+            )
+        )
     graded = tmp_path / "graded.jsonl"
     write_jsonl(graded, trajs)
     summary = tmp_path / "align.json"
