@@ -1,6 +1,6 @@
 """Benchmarks for `nox -s bench`: each measures legorl beside a baseline in the same run.
 
-    python -m legorl.bench --out bench.json [--only records_io|proxy] [--records-mb 1024]
+    python -m legorl.bench --out bench.json [--only records_io|proxy|vllm|…] [--records-mb 1024]
     python -m legorl.bench --quick --out bench.json   # every section, small: the CI smoke test
 
 Every benchmark returns plain numbers and the ratios the issues set targets on; the report is
@@ -83,6 +83,12 @@ def _tasks(args: argparse.Namespace) -> dict[str, Any]:
     return bench_tasks(quick=args.quick)
 
 
+def _vllm(args: argparse.Namespace) -> dict[str, Any]:
+    from legorl.bench.vllm import bench_vllm
+
+    return bench_vllm(quick=args.quick)
+
+
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "records_io": _records_io,
     "proxy": _proxy,
@@ -94,6 +100,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "tasks": _tasks,
     "decode": _decode,
     "train": _train,
+    "vllm": _vllm,
 }
 
 

@@ -157,6 +157,9 @@ class ClaudeCodeHarness:
     needs_runtime: ClassVar[bool] = True  # binaries from the sandbox's harness-runtime layer
     max_turns: int = 30
     allowed_tools: tuple[str, ...] = ("Bash", "Edit", "Write", "Read", "Glob", "Grep")
+    # Claude's own `--tools` (say "Bash,Edit,Read"): only these tools' schemas are sent, which
+    # shortens every request; None sends its default set (about 74 KB of schemas)
+    tools: str | None = None
 
     async def run(self, sandbox: Sandbox, prompt: str, *, model: str, timeout: float) -> HarnessRun:
         started = time.monotonic()
@@ -174,6 +177,8 @@ class ClaudeCodeHarness:
             "--allowedTools",
             *self.allowed_tools,
         ]
+        if self.tools is not None:
+            cmd += ["--tools", self.tools]
         env = _env(
             sandbox,
             {"ANTHROPIC_BASE_URL": sandbox.proxy_url or "", "ANTHROPIC_API_KEY": "sk-legorl"},
