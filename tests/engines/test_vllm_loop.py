@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from test_vllm_real import ROOT, legorl, vllm_python
 from test_vllm_real_rollout import _need_bwrap
 
