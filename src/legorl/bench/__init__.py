@@ -71,6 +71,12 @@ def _tasks(args: argparse.Namespace) -> dict[str, Any]:
     return bench_tasks(quick=args.quick)
 
 
+def _realsuite(args: argparse.Namespace) -> dict[str, Any]:
+    from legorl.bench.realsuite import bench_realsuite
+
+    return bench_realsuite(quick=args.quick)
+
+
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "records_io": _records_io,
     "proxy": _proxy,
@@ -79,6 +85,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "rollout": _rollout,
     "verify": _verify,
     "tasks": _tasks,
+    "realsuite": _realsuite,
     "train": _train,
 }
 
