@@ -271,3 +271,49 @@ def test_rollout_verify_align_train_on_real_tasks(tmp_path: Path) -> None:
     assert (tmp_path / "ckpt" / "model.safetensors").exists()
     metrics = {m.name: m.value for m in read_jsonl(tmp_path / "metrics.jsonl", Metric)}
     assert metrics["reward_mean"] == pytest.approx(0.5)
+
+
+# --------------------------------------------------------------------------------------------
+# The generator's parts
+# --------------------------------------------------------------------------------------------
+
+
+def test_mutations_change_one_token_and_skip_docstrings() -> None:
+    source = (
+        "def f(a, b):\n"
+        '    """a + b < 2"""\n'
+        "    if a and not b:\n"
+        "        return a + 1\n"
+        "    return a in b\n"
+    )
+    found = {
+        (m.family, mrt.apply(source, m).splitlines()[m.line - 1].strip())
+        for m in mrt.mutations(source)
+    }
+    assert found == {
+        ("wrong_operator", "if a or not b:"),
+        ("dropped_condition", "if a:"),
+        ("missing_negation", "if a and b:"),
+        ("wrong_operator", "return a - 1"),
+        ("off_by_one", "return a + 2"),
+        ("missing_negation", "return a not in b"),
+    }
+
+
+def test_removing_tests_keeps_classes_valid() -> None:
+    source = (
+        "class T:\n    def test_a(self):\n        pass\n\n    def test_b(self):\n        pass\n"
+    )
+    assert mrt.without_tests(source, {("T", "test_a")}) == (
+        "class T:\n    def test_b(self):\n        pass\n"
+    )
+    assert mrt.without_tests(source, {("T", "test_a"), ("T", "test_b")}) is None
+
+
+def test_a_sdist_whose_hash_differs_is_refused_naming_the_file(tmp_path: Path) -> None:
+    project = mrt.PROJECTS[0]
+    (tmp_path / project.sdist).write_bytes(b"not the release")
+    with pytest.raises(
+        mrt.BuildError, match=rf"{re.escape(str(tmp_path / project.sdist))}: sha256"
+    ):
+        mrt.fetch(project, tmp_path)
