@@ -144,11 +144,24 @@ def _verify(tasks: list[Task], sandbox: str, tmp_path: Path) -> dict[str, Trajec
     return {t.trajectory_id: t for t in read_jsonl(tmp_path / "graded.jsonl", Trajectory)}
 
 
+# Gold patches the grader refuses today, and why: its always-true twin check flags toolz's own
+# test_compose_metadata (the task's function is Compose.__eq__). A grader false positive on real
+# code, reported; when the grader stops refusing it, this check fails and the entry goes.
+GRADER_REFUSES_GOLD = {
+    "pytoolz__toolz-real-9": "a comparison also holds against an impossible value",
+}
+
+
 def _wrong(tasks: list[Task], graded: dict[str, Trajectory]) -> list[str]:
     problems = []
     for task in tasks:
         gold, empty = graded[f"{task.instance_id}.gold"], graded[f"{task.instance_id}.empty"]
-        if gold.reward != 1.0:
+        known = GRADER_REFUSES_GOLD.get(task.instance_id)
+        if known is not None:
+            said = " ".join((gold.verdict or {}).get("runner_problems", []))
+            if gold.reward != 0.0 or known not in said:
+                problems.append(f"{task.instance_id}: known grader refusal changed: {gold.verdict}")
+        elif gold.reward != 1.0:
             problems.append(f"{task.instance_id}: gold reward {gold.reward}: {gold.verdict}")
         if empty.reward != 0.0:
             problems.append(f"{task.instance_id}: empty reward {empty.reward}: {empty.verdict}")
