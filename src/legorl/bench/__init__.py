@@ -89,6 +89,12 @@ def _vllm(args: argparse.Namespace) -> dict[str, Any]:
     return bench_vllm(quick=args.quick)
 
 
+def _realsuite(args: argparse.Namespace) -> dict[str, Any]:
+    from legorl.bench.realsuite import bench_realsuite
+
+    return bench_realsuite(quick=args.quick)
+
+
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "records_io": _records_io,
     "proxy": _proxy,
@@ -99,6 +105,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "verify": _verify,
     "tasks": _tasks,
     "decode": _decode,
+    "realsuite": _realsuite,
     "train": _train,
     "vllm": _vllm,
 }
