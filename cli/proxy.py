@@ -76,8 +76,8 @@ def _build(
     from legorl.protocols import EngineError
     from legorl.proxy.core import Budget, ProxyConfig, ProxyCore
 
-    if engine not in ENGINES:
-        fail("proxy", f"--engine {engine!r}: unknown engine (one of {', '.join(ENGINES)})", 2)
+    if engine not in ENGINES and ":" not in engine:
+        fail("proxy", f"--engine {engine!r}: unknown engine (one of {ENGINES.names()})", 2)
     if not (model / "tokenizer.json").is_file():
         fail("proxy", f"--model {model}: not a model folder (no tokenizer.json)", 2)
     engine_log_beside(engine, engine_opts, out or Path.cwd())

@@ -46,12 +46,12 @@ Json = Annotated[bool, typer.Option("--json", help="Machine-readable output on s
 
 
 def _backend(cmd: str, name: str, *, build: bool = True) -> Any:
-    from legorl.protocols import SandboxError
+    from legorl.protocols import ConfigError, SandboxError
     from legorl.sandbox import make_backend
 
     try:
         return make_backend(name, build=build)
-    except SandboxError as err:
+    except (ConfigError, SandboxError) as err:
         fail(cmd, str(err), 2)
 
 

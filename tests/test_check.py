@@ -405,7 +405,7 @@ def test_harnesses_not_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert unknown.status == "fail" and "mini, claude-code, opencode, openhands-sdk" in unknown.fix
     monkeypatch.setenv("LEGORL_OPENHANDS_PYTHON", str(tmp_path / "no-venv" / "python"))
     openhands = check_harness("openhands-sdk")
-    assert openhands.status == "fail" and "no OpenHands Python at" in openhands.reason
+    assert openhands.status == "fail" and "no Python at" in openhands.reason
     assert "LEGORL_OPENHANDS_PYTHON" in openhands.fix
     # Without the SDK: a real interpreter that cannot import it.
     monkeypatch.setenv("LEGORL_OPENHANDS_PYTHON", sys.executable)

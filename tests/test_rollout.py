@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from legorl.engines import make_engine
-from legorl.harnesses import ScriptedHarness
+from legorl.harnesses.testing import ScriptedHarness
 from legorl.protocols import Limits
 from legorl.records import Task, Trajectory, Turn, read_jsonl
 from legorl.rollout import Run, inprocess_proxy, plan_runs, run_one
@@ -160,7 +160,7 @@ def test_kill_9_mid_run_then_resume_loses_nothing(tmp_path: Path) -> None:
         "--tasks",
         str(TASKS / "train.jsonl"),
         "--harness",
-        "scripted",
+        "legorl.harnesses.testing:ScriptedHarness",
         "--harness-opt",
         "command=sleep 2; exit 1",
         "--group-size",

@@ -52,15 +52,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from legorl.protocols import ConfigError
+
 Status = Literal["pass", "fail", "skip"]
 
-#: The API shape (and whether it streams) each harness speaks to the proxy.
-HARNESS_APIS: dict[str, tuple[str, bool]] = {
-    "mini": ("openai_chat", False),
-    "claude-code": ("anthropic", True),
-    "opencode": ("openai_chat", True),
-    "openhands-sdk": ("openai_chat", False),
-}
 API_NAMES = ("openai_chat", "anthropic", "responses")
 SANDBOXES = ("local", "docker")
 
@@ -97,10 +92,6 @@ def _short(exc: BaseException, limit: int = 300) -> str:
 # --------------------------------------------------------------------------------------------
 # The run configuration
 # --------------------------------------------------------------------------------------------
-
-
-class ConfigError(ValueError):
-    """The run configuration file or a flag is wrong."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -481,10 +472,13 @@ async def _close(engine: Any) -> None:
 
 def _probe_list(config: RunConfig) -> list[tuple[str, bool, list[str]]]:
     """(api, stream, harnesses) for each API shape to probe."""
+    from legorl.harnesses import HARNESSES
+
     probes: dict[tuple[str, bool], list[str]] = {}
     for harness in config.harnesses:
-        if harness in HARNESS_APIS:
-            probes.setdefault(HARNESS_APIS[harness], []).append(harness)
+        if harness in HARNESSES:
+            cls = HARNESSES[harness]
+            probes.setdefault((cls.api, cls.streams), []).append(harness)
     for api in config.apis:
         if not any(a == api for a, _ in probes):
             probes.setdefault((api, False), [])
@@ -730,52 +724,43 @@ def _version(cmd: list[str], timeout: float = 60) -> tuple[int | None, str]:
     return proc.returncode, out[-1] if proc.returncode == 0 else out[0]
 
 
-_HARNESS_FIX = {
-    "mini": "install python3 (the built-in agent runs with it)",
-    "claude-code": "npm install -g @anthropic-ai/claude-code",
-    "opencode": "npm install -g opencode-ai",
-    "openhands-sdk": (
-        "python3.12 -m venv .venv-openhands && .venv-openhands/bin/pip install "
-        "openhands-sdk openhands-tools (or set LEGORL_OPENHANDS_PYTHON)"
-    ),
-}
-_BINARIES = {"mini": "python3", "claude-code": "claude", "opencode": "opencode"}
-
-
 def check_harness(name: str, sandbox: str = "local", path: str | None = None) -> CheckResult:
-    """Is harness ``name`` installed where the run will start it? ``path`` overrides PATH."""
+    """Is harness ``name`` installed where the run will start it? ``path`` overrides PATH. What
+    to look for is the harness class's own ``requires``."""
     from legorl.harnesses import HARNESSES, default_openhands_python
 
     label = f"harness: {name}"
-    if name not in HARNESSES:
-        return _fail(label, f"unknown harness {name!r}", f"use one of {', '.join(HARNESSES)}")
+    try:
+        cls = HARNESSES.resolve(name)
+    except ConfigError as exc:
+        return _fail(label, str(exc), f"use one of {HARNESSES.names()}")
     if sandbox == "docker":
         return _skip(label, "runs from the sandbox image's harness-runtime layer, not the host")
-    if name in _BINARIES:
-        binary = _BINARIES[name]
-        found = shutil.which(binary, path=path)
+    need = cls.requires
+    if need.binary is not None:
+        found = shutil.which(need.binary, path=path)
         if found is None:
-            return _fail(label, f"{binary} is not on PATH", _HARNESS_FIX[name])
+            return _fail(label, f"{need.binary} is not on PATH", need.install)
         code, version = _version([found, "--version"])
         if code != 0:
-            return _fail(label, f"{found} --version failed: {version}", _HARNESS_FIX[name])
+            return _fail(label, f"{found} --version failed: {version}", need.install)
         return _pass(label, f"{found}: {version}")
-    python = default_openhands_python()
+    python = default_openhands_python() if need.python == "openhands" else (need.python or "")
     found = python if os.path.isabs(python) else shutil.which(python, path=path)
     if not found or not os.path.exists(found):
-        return _fail(label, f"no OpenHands Python at {python}", _HARNESS_FIX[name])
+        return _fail(
+            label, f"no Python at {python or '(none named)'} for {need.module}", need.install
+        )
     probe = (
         "import importlib.util, sys; "
-        "sys.exit(0 if importlib.util.find_spec('openhands.sdk') else 3)"
+        f"sys.exit(0 if importlib.util.find_spec({need.module!r}) else 3)"
     )
     code, out = _version([found, "-c", probe])
     if code != 0:
         return _fail(
-            label,
-            f"{found} cannot import openhands.sdk{': ' + out if out else ''}",
-            _HARNESS_FIX[name],
+            label, f"{found} cannot import {need.module}{': ' + out if out else ''}", need.install
         )
-    return _pass(label, f"openhands.sdk importable from {found}")
+    return _pass(label, f"{need.module} importable from {found}")
 
 
 def check_sandbox(
@@ -1041,7 +1026,6 @@ async def _engine_checks(config: RunConfig, dry_run: bool, add: Callable[..., No
 
 
 __all__ = [
-    "HARNESS_APIS",
     "CheckResult",
     "ConfigError",
     "RunConfig",

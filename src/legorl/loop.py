@@ -90,7 +90,7 @@ Log = Callable[[str], None]
 ProgressFn = Callable[[str, int, int], None]
 
 
-class LoopConfigError(ValueError):
+class LoopConfigError(ConfigError):
     """A bad loop option; ``field`` is the LoopConfig field (``train``: a train config key)."""
 
     def __init__(self, field: str, problem: str) -> None:

@@ -1,12 +1,23 @@
-"""The swappable backends, as Protocols: Engine (token-in/token-out generation), and later
-Sandbox, Harness and Verifier. Backends are chosen by short name from a registry dict beside
-their implementations (`legorl.engines.ENGINES`, …)."""
+"""The swappable backends, as Protocols: the whole contract each kind of backend meets, so that no
+caller reaches a backend through ``getattr``. Engine (token-in/token-out generation), Sandbox and
+SandboxBackend (a locked-down copy of a task's repository), Harness (an agent run unmodified in
+a sandbox). Backends are chosen by short name from a ``legorl.registry.Registry`` beside their
+implementations (``legorl.engines.ENGINES``, ``legorl.sandbox.SANDBOXES``,
+``legorl.harnesses.HARNESSES``); engines and sandbox backends are built from a typed
+``config_class``, harnesses are their own dataclass.
+
+A bad option, flag or config value anywhere is a ``ConfigError`` whose message names the field.
+"""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+
+
+class ConfigError(ValueError):
+    """A bad option, flag, config key or value; the message names the field (and the file)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -57,6 +68,7 @@ class Engine(Protocol):
     """
 
     name: str
+    config_class: ClassVar[type]  # the dataclass ``ENGINES.build`` makes from keyword options
     policy_version: int  # bumped by every load_weights
     max_context: int
 
@@ -109,6 +121,10 @@ class Sandbox(Protocol):
     id: str
     workdir: str  # the repository's path inside the sandbox
     proxy_url: str | None  # how code inside reaches the legorl proxy it was given
+    # What a harness adds to its command's environment (PATH with the env's venv and, when the
+    # harness-runtime layer is attached, the runtime's bin folder).
+    runtime_env: dict[str, str]
+    openhands_python: str | None  # the OpenHands SDK's Python, when the runtime is attached
 
     async def exec(
         self,
@@ -134,6 +150,7 @@ class Sandbox(Protocol):
 @runtime_checkable
 class SandboxBackend(Protocol):
     name: str  # "docker" | "local"
+    config_class: ClassVar[type]  # the dataclass ``SANDBOXES.build`` makes from keyword options
 
     async def start(
         self,
@@ -160,6 +177,22 @@ class HarnessRun:
     duration_s: float = 0.0
 
 
+ApiShape = Literal["openai_chat", "anthropic", "responses", "gemini"]
+
+
+@dataclass(frozen=True, slots=True)
+class Requirement:
+    """What a harness needs installed where it runs, for ``legorl check``: an executable on PATH
+    (``binary``, asked for ``--version``), or a Python that can import ``module`` (``python``:
+    how to find that Python: "openhands" is the OpenHands SDK venv). ``install`` is the line that
+    fixes it."""
+
+    install: str
+    binary: str | None = None
+    module: str | None = None
+    python: str | None = None
+
+
 @runtime_checkable
 class Harness(Protocol):
     """An agent harness run unmodified in a sandbox against one proxy session.
@@ -168,10 +201,15 @@ class Harness(Protocol):
     binaries for the local backend), configures it only through its own settings and
     environment, launches it non-interactively on the task's problem statement and classifies
     how it ended. Adding a harness is one small class like this and a registry entry in
-    ``legorl.harnesses.HARNESSES``.
+    ``legorl.harnesses.HARNESSES``; everything else legorl knows about a harness (the API it
+    speaks, whether it streams, what it needs installed) is declared on the class.
     """
 
-    name: str
+    name: ClassVar[str]
+    api: ClassVar[ApiShape]  # the wire format it speaks to the proxy
+    streams: ClassVar[bool]  # whether its calls stream
+    requires: ClassVar[Requirement]
+    needs_runtime: ClassVar[bool]  # its binaries come from the sandbox's harness-runtime layer
 
     async def run(
         self, sandbox: Sandbox, prompt: str, *, model: str, timeout: float

@@ -232,7 +232,7 @@ async def _attempt(
                 run_id=run_id,
                 proxy_url=access.url,
                 limits=limits,
-                harness_runtime=getattr(harness, "needs_runtime", True),
+                harness_runtime=harness.needs_runtime,
             )
         except SandboxError as exc:
             evidence["error"] = f"sandbox: {exc}"

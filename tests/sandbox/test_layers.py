@@ -9,7 +9,7 @@ import sys
 import pytest
 from sandbox_fixtures import task, variant
 
-from legorl.protocols import SandboxError
+from legorl.protocols import ConfigError, SandboxError
 from legorl.sandbox import SANDBOXES, make_backend
 from legorl.sandbox.common import (
     Counters,
@@ -126,8 +126,8 @@ def test_proxy_url_maps_to_the_same_port_on_loopback_inside() -> None:
 
 def test_registry_and_unknown_options() -> None:
     assert set(SANDBOXES) == {"docker", "local"}
-    with pytest.raises(SandboxError, match="unknown sandbox backend 'k8s'"):
+    with pytest.raises(ConfigError, match="unknown sandbox backend 'k8s'"):
         make_backend("k8s")
-    with pytest.raises(SandboxError, match="unknown option"):
+    with pytest.raises(ConfigError, match="unknown option"):
         make_backend("docker", colour="blue")
     assert LayerReport("env", "t", "n", "built").action == "built"

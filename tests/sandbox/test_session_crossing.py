@@ -343,7 +343,7 @@ print("status", urllib.request.urlopen(req, timeout=120).status)
 def test_the_secret_stays_out_of_what_the_run_records(local_backend: Any, tmp_path: Path) -> None:
     """A harness that prints its own route (as harnesses do in errors): the Trajectory has the
     secret redacted, the Turn file never had it, and it is dead once the run ends."""
-    from legorl.harnesses import ScriptedHarness
+    from legorl.harnesses.testing import ScriptedHarness
     from legorl.protocols import Limits
     from legorl.records import to_json
     from legorl.rollout import Run, run_one

@@ -20,8 +20,9 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
@@ -42,16 +43,23 @@ def _model_dir() -> Path:
     raise FileNotFoundError("fixtures/models/tiny-qwen3 not found; set LEGORL_BENCH_MODEL")
 
 
+@dataclass(slots=True, kw_only=True)
+class _StandInConfig:
+    completion: list[int]
+    delay: float = 0.0
+
+
 class _StandInEngine:
     """Bench-only: answers one fixed tool call immediately or after ``delay`` seconds."""
 
     name = "bench-stand-in"
+    config_class: ClassVar[type] = _StandInConfig
     policy_version = 0
     max_context = 1_000_000
 
-    def __init__(self, completion: list[int], delay: float = 0.0) -> None:
-        self.completion = completion
-        self.delay = delay
+    def __init__(self, config: _StandInConfig) -> None:
+        self.completion = config.completion
+        self.delay = config.delay
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[list[TokenStep]]:
         if self.delay:
@@ -72,7 +80,7 @@ def _make_core(delay: float, out: str) -> Any:
     model = _model_dir()
     tok = ChatTokenizer(model)
     text = '<tool_call>\n{"name": "bash", "arguments": {"command": "ls -la"}}\n</tool_call>'
-    engine = _StandInEngine(tok.encode(text) + [tok.eos_id], delay)
+    engine = _StandInEngine(_StandInConfig(completion=tok.encode(text) + [tok.eos_id], delay=delay))
     return ProxyCore(ProxyConfig(model=model, out=out), engine)
 
 
@@ -349,7 +357,7 @@ async def _throughput(server: _Server, concurrency: int, seconds: float, tag: st
 
 
 async def _direct_engine_throughput(concurrency: int, seconds: float, delay: float) -> float:
-    engine = _StandInEngine([1, 2, 3], delay)
+    engine = _StandInEngine(_StandInConfig(completion=[1, 2, 3], delay=delay))
     done = 0
     stop_at = time.perf_counter() + seconds
 

@@ -7,48 +7,30 @@
 
 Each backend takes one typed config dataclass (``EmbeddedConfig``, ``ForcedConfig``,
 ``VllmConfig``) whose defaults live in the class; ``make_engine`` builds it from keyword
-arguments and rejects unknown keys. Importing this package does not import torch: the backends
+arguments and rejects unknown keys (``legorl.registry``). Importing this package does not import torch: the backends
 import it when an engine is built.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from legorl.engines.embedded import EmbeddedConfig, EmbeddedEngine, EmbeddedStats
 from legorl.engines.forced import ForcedConfig, ForcedEngine, ForcedScript, ScriptEntry
 from legorl.engines.vllm_client import VllmConfig, VllmEngine
 from legorl.protocols import Engine
+from legorl.registry import Registry
 
-#: Engine classes by short name; each has a ``config_class``.
-ENGINES: dict[str, type] = {
-    "embedded": EmbeddedEngine,
-    "forced": ForcedEngine,
-    "vllm": VllmEngine,
-}
+#: Engine classes by short name; each is built from its ``config_class``.
+ENGINES: Registry[Engine] = Registry(
+    "engine", {"embedded": EmbeddedEngine, "forced": ForcedEngine, "vllm": VllmEngine}
+)
 
 
 def make_engine(name: str, **config: Any) -> Engine:
-    """Build the engine ``name`` from keyword ``config`` (its config dataclass's fields)."""
-    try:
-        cls = ENGINES[name]
-    except KeyError:
-        raise ValueError(f"unknown engine {name!r} (known: {', '.join(sorted(ENGINES))})") from None
-    config_class = cls.config_class  # type: ignore[attr-defined]
-    known = {f.name for f in dataclasses.fields(config_class)}
-    unknown = sorted(set(config) - known)
-    if unknown:
-        raise ValueError(
-            f"unknown option(s) for engine {name!r}: {', '.join(unknown)} "
-            f"(known: {', '.join(sorted(known))})"
-        )
-    try:
-        settings = config_class(**config)
-    except TypeError as exc:  # a required option is missing
-        raise ValueError(f"engine {name!r}: {exc}") from None
-    engine: Engine = cls(settings)
-    return engine
+    """Build the engine ``name`` (or ``module:Class``) from keyword ``config`` (its config
+    dataclass's fields); unknown names and options are ``ConfigError``s."""
+    return ENGINES.build(name, **config)
 
 
 __all__ = [

@@ -5,21 +5,26 @@ session, and classifies how it ended. Chosen by short name:
     harness = make_harness("mini", max_turns=12)
     run = await harness.run(sandbox, task.problem_statement, model="tiny", timeout=600)
 
-Adding a harness is one small class with ``name`` and ``async run(...)`` (the ``Harness``
-Protocol in ``legorl.protocols``) and a line in ``HARNESSES``. A harness reaches its proxy
+Adding a harness is one small class (the ``Harness`` Protocol in ``legorl.protocols``): its
+``name``, the ``api`` it speaks and whether it ``streams``, what it ``requires`` installed (for
+``legorl check``), whether it ``needs_runtime``, and ``async run(...)``; then one line in
+``HARNESSES``. Nothing about a harness lives anywhere else. A class outside legorl is named as
+``module:Class`` (``--harness my_pkg.agents:MyHarness``). A harness reaches its proxy
 session only through ``sandbox.proxy_url``, the session's capability route: it never builds a
 URL from a session id. A harness whose main system prompt is fixed declares it as
 ``main_system``, and the rollout binds the session's main agent to it when the session opens.
 
-Inside a sandbox the harness binaries come from its harness runtime: a sandbox may expose
+Inside a sandbox the harness binaries come from its harness runtime: the sandbox's
 ``runtime_env`` (extra environment, e.g. a PATH with the runtime's bin folder) and
-``openhands_python`` (the Python 3.12 venv with the OpenHands SDK); without them the defaults
-are the host's own installs (the local backend's read-only host view).
+``openhands_python`` (the Python 3.12 venv with the OpenHands SDK, or None without the
+runtime, when the host's own install is used).
+
+The test double ``legorl.harnesses.testing:ScriptedHarness`` ships in the package but is not
+registered.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -27,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from legorl.protocols import ExecResult, Harness, HarnessRun, Sandbox
+from legorl.protocols import ApiShape, ExecResult, Harness, HarnessRun, Requirement, Sandbox
+from legorl.registry import Registry
 
 HERE = Path(__file__).resolve().parent
 SCRATCH = "/tmp/legorl-harness"  # inside the sandbox, outside the repository (never in a patch)
@@ -49,8 +55,7 @@ def _tail(text: str, lines: int = 30) -> str:
 
 def _env(sandbox: Sandbox, extra: dict[str, str]) -> dict[str, str]:
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", **OFFLINE_ENV}
-    runtime = getattr(sandbox, "runtime_env", None) or {}
-    env.update(runtime)
+    env.update(sandbox.runtime_env)
     env.update(extra)
     return env
 
@@ -80,6 +85,11 @@ class MiniHarness:
     """The built-in minimal agent (`mini_agent.py`), copied into the sandbox, run with python3."""
 
     name: ClassVar[str] = "mini"
+    api: ClassVar[ApiShape] = "openai_chat"
+    streams: ClassVar[bool] = False
+    requires: ClassVar[Requirement] = Requirement(
+        binary="python3", install="install python3 (the built-in agent runs with it)"
+    )
     needs_runtime: ClassVar[bool] = False  # copies itself in; the sandbox's python3 runs it
     max_turns: int = 12
     max_tokens: int = 512
@@ -139,6 +149,11 @@ class ClaudeCodeHarness:
     """Claude Code in print mode, configured only through its environment and flags."""
 
     name: ClassVar[str] = "claude-code"
+    api: ClassVar[ApiShape] = "anthropic"
+    streams: ClassVar[bool] = True
+    requires: ClassVar[Requirement] = Requirement(
+        binary="claude", install="npm install -g @anthropic-ai/claude-code"
+    )
     needs_runtime: ClassVar[bool] = True  # binaries from the sandbox's harness-runtime layer
     max_turns: int = 30
     allowed_tools: tuple[str, ...] = ("Bash", "Edit", "Write", "Read", "Glob", "Grep")
@@ -183,6 +198,11 @@ class OpenCodeHarness:
     """OpenCode's `run` mode with an openai-compatible provider pointing at the proxy."""
 
     name: ClassVar[str] = "opencode"
+    api: ClassVar[ApiShape] = "openai_chat"
+    streams: ClassVar[bool] = True
+    requires: ClassVar[Requirement] = Requirement(
+        binary="opencode", install="npm install -g opencode-ai"
+    )
     needs_runtime: ClassVar[bool] = True  # binaries from the sandbox's harness-runtime layer
 
     async def run(self, sandbox: Sandbox, prompt: str, *, model: str, timeout: float) -> HarnessRun:
@@ -226,6 +246,16 @@ class OpenHandsHarness:
     """The OpenHands SDK agent (terminal + file editor tools) driven by `openhands_driver.py`."""
 
     name: ClassVar[str] = "openhands-sdk"
+    api: ClassVar[ApiShape] = "openai_chat"
+    streams: ClassVar[bool] = False
+    requires: ClassVar[Requirement] = Requirement(
+        python="openhands",
+        module="openhands.sdk",
+        install=(
+            "python3.12 -m venv .venv-openhands && .venv-openhands/bin/pip install "
+            "openhands-sdk openhands-tools (or set LEGORL_OPENHANDS_PYTHON)"
+        ),
+    )
     needs_runtime: ClassVar[bool] = True  # binaries from the sandbox's harness-runtime layer
 
     async def run(self, sandbox: Sandbox, prompt: str, *, model: str, timeout: float) -> HarnessRun:
@@ -233,7 +263,7 @@ class OpenHandsHarness:
         driver = f"{SCRATCH}/openhands_driver.py"
         await sandbox.write_file(driver, (HERE / "openhands_driver.py").read_bytes())
         await sandbox.write_file(f"{SCRATCH}/home/.keep", b"")
-        python = getattr(sandbox, "openhands_python", None) or default_openhands_python()
+        python = sandbox.openhands_python or default_openhands_python()
         result = await sandbox.exec(
             [python, driver, f"{sandbox.proxy_url}/v1", sandbox.workdir, prompt],
             timeout=timeout,
@@ -274,45 +304,19 @@ def _last_json(text: str) -> dict[str, Any] | None:
     return None
 
 
-HARNESSES: dict[str, type] = {
-    "mini": MiniHarness,
-    "claude-code": ClaudeCodeHarness,
-    "opencode": OpenCodeHarness,
-    "openhands-sdk": OpenHandsHarness,
-}
+#: Harness classes by short name.
+HARNESSES: Registry[Harness] = Registry(
+    "harness",
+    {
+        "mini": MiniHarness,
+        "claude-code": ClaudeCodeHarness,
+        "opencode": OpenCodeHarness,
+        "openhands-sdk": OpenHandsHarness,
+    },
+)
 
 
 def make_harness(name: str, **config: Any) -> Harness:
-    """The harness ``name`` with ``config`` (its dataclass fields); unknown keys are errors."""
-    cls = HARNESSES.get(name)
-    if cls is None:
-        raise ValueError(f"unknown harness {name!r} (one of {', '.join(HARNESSES)})")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(config) - known)
-    if unknown:
-        raise ValueError(f"unknown option(s) for harness {name!r}: {', '.join(unknown)}")
-    harness: Harness = cls(**config)
-    return harness
-
-
-@dataclass(slots=True, kw_only=True)
-class ScriptedHarness:
-    """A fake harness shipping for tests: runs one shell command in the sandbox as the 'agent'
-    (exit 0 → ok; a hang → timeout; anything else → harness_crash). The command finds its
-    session's route in ``$LEGORL_PROXY_URL``."""
-
-    name: ClassVar[str] = "scripted"
-    needs_runtime: ClassVar[bool] = False
-    command: str = "true"
-
-    async def run(self, sandbox: Sandbox, prompt: str, *, model: str, timeout: float) -> HarnessRun:
-        started = time.monotonic()
-        url = {"LEGORL_PROXY_URL": sandbox.proxy_url} if sandbox.proxy_url else {}
-        result = await sandbox.exec(
-            ["sh", "-c", self.command], timeout=timeout, cwd=sandbox.workdir, env=_env(sandbox, url)
-        )
-        status = _classify_limits(result) or ("ok" if result.exit_code == 0 else "harness_crash")
-        return _run_record(result, status, started)
-
-
-HARNESSES["scripted"] = ScriptedHarness
+    """The harness ``name`` (or ``module:Class``) with ``config`` (its dataclass fields);
+    unknown names and keys are ``ConfigError``s."""
+    return HARNESSES.build(name, **config)

@@ -20,36 +20,24 @@ Importing this package imports neither the Docker SDK nor anything heavy.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from legorl.protocols import SandboxBackend, SandboxError
+from legorl.registry import Registry
 from legorl.sandbox.docker_backend import DockerBackend, DockerConfig
 from legorl.sandbox.local_backend import LocalBackend, LocalConfig
 
-#: Backend classes by short name; each has a ``config_class``. (The Docker SDK is imported only
-#: when a Docker backend first talks to the daemon.)
-SANDBOXES: dict[str, type] = {"docker": DockerBackend, "local": LocalBackend}
+#: Backend classes by short name; each is built from its ``config_class``. (The Docker SDK is
+#: imported only when a Docker backend first talks to the daemon.)
+SANDBOXES: Registry[SandboxBackend] = Registry(
+    "sandbox backend", {"docker": DockerBackend, "local": LocalBackend}
+)
 
 
 def make_backend(name: str, **config: Any) -> SandboxBackend:
-    """Build the backend ``name`` from keyword ``config`` (its config dataclass's fields)."""
-    try:
-        cls = SANDBOXES[name]
-    except KeyError:
-        raise SandboxError(
-            f"unknown sandbox backend {name!r} (known: {', '.join(sorted(SANDBOXES))})"
-        ) from None
-    config_class = cls.config_class  # type: ignore[attr-defined]
-    known = {f.name for f in dataclasses.fields(config_class)}
-    unknown = sorted(set(config) - known)
-    if unknown:
-        raise SandboxError(
-            f"unknown option(s) for sandbox backend {name!r}: {', '.join(unknown)} "
-            f"(known: {', '.join(sorted(known))})"
-        )
-    backend: SandboxBackend = cls(config_class(**config))
-    return backend
+    """Build the backend ``name`` (or ``module:Class``) from keyword ``config`` (its config
+    dataclass's fields); unknown names and options are ``ConfigError``s."""
+    return SANDBOXES.build(name, **config)
 
 
 __all__ = [

@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from legorl.protocols import ExecResult, Limits, SandboxError
 from legorl.sandbox import cgroups, tree_probe
@@ -1092,7 +1092,7 @@ class DockerBackend:
     """``SandboxBackend`` on the Docker engine; ``config_class`` is ``DockerConfig``."""
 
     name = "docker"
-    config_class = DockerConfig
+    config_class: ClassVar[type] = DockerConfig
 
     def __init__(self, config: DockerConfig | None = None) -> None:
         self.config = config or DockerConfig()

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from legorl.protocols import ExecResult, Limits, SandboxError
 from legorl.sandbox import cgroups, tree_probe
@@ -582,7 +582,7 @@ class LocalBackend:
     """``SandboxBackend`` on bubblewrap; ``config_class`` is ``LocalConfig``."""
 
     name = "local"
-    config_class = LocalConfig
+    config_class: ClassVar[type] = LocalConfig
 
     def __init__(self, config: LocalConfig | None = None) -> None:
         self.config = config or LocalConfig()

@@ -18,15 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
+from legorl.protocols import ConfigError
+
 Algorithm = Literal["gspo", "grpo", "drgrpo"]
 AdvantageMode = Literal["auto", "grpo", "drgrpo", "sample"]
 Correction = Literal["none", "tis", "token_mask", "seq_mask"]
 Precision = Literal["fp32", "bf16"]
 Attention = Literal["varlen_sdpa", "sdpa", "eager", "flash_attention_2"]
-
-
-class ConfigError(ValueError):
-    """A bad config key or value; the message names the key."""
 
 
 @dataclass(kw_only=True)
