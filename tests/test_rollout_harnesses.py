@@ -1,5 +1,5 @@
-"""Real harnesses in Docker sandboxes through `legorl rollout`: Claude Code, OpenCode and the
-OpenHands SDK each fix a toy task's bug because the `forced` engine (a fake shipping in the
+"""Real harnesses in Docker sandboxes through `legorl rollout`: Claude Code, OpenCode, the
+OpenHands SDK, Qwen Code and mini-swe-agent each fix a toy task's bug because the `forced` engine (a fake shipping in the
 package: scripted completions, log-probs from a real forward pass of the tiny model) tells them
 to run a shell command that makes the gold edit. The trajectory's patch must be the gold fix,
 its status `ok`, its turns captured. Under CI=true a missing Docker daemon fails the test.
@@ -49,6 +49,12 @@ def _script(harness: str, task: Task) -> list[dict]:
     elif harness == "opencode":
         first = _call("bash", {"command": command, "description": "apply the fix"})
         last = "The bug is fixed."
+    elif harness == "qwen-code":
+        first = _call("run_shell_command", {"command": command, "description": "apply the fix"})
+        last = "The bug is fixed."
+    elif harness == "mini-swe-agent":
+        first = _call("bash", {"command": command})
+        last = "Done.\n" + _call("bash", {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"})
     else:
         first = _call("terminal", {"command": command})
         last = _call("finish", {"message": "The bug is fixed."})
@@ -59,7 +65,9 @@ def _script(harness: str, task: Task) -> list[dict]:
     ]
 
 
-@pytest.mark.parametrize("harness", ["claude-code", "opencode", "openhands-sdk"])
+@pytest.mark.parametrize(
+    "harness", ["claude-code", "opencode", "openhands-sdk", "qwen-code", "mini-swe-agent"]
+)
 def test_real_harness_fixes_a_toy_task_in_docker(tmp_path: Path, harness: str) -> None:
     if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
         if os.environ.get("CI") == "true":
@@ -107,7 +115,26 @@ def test_real_harness_fixes_a_toy_task_in_docker(tmp_path: Path, harness: str) -
     (traj,) = read_jsonl(tmp_path / "traj.jsonl", Trajectory)
     assert traj.status == "ok", traj.evidence
     assert traj.patch == task.patch
+    assert traj.turns_ref
     turns = list(read_jsonl(tmp_path / traj.turns_ref[0], Turn))
     main = [t for t in turns if not t.flags.aux]
     assert len(main) >= 2 and main[0].output.tool_calls
     assert all(len(t.completion_logprobs) == len(t.completion_ids) for t in turns)
+    if harness in ("qwen-code", "mini-swe-agent"):
+        _assert_exact_turns(main, _script(harness, task))
+
+
+def _assert_exact_turns(main: list[Turn], script: list[dict]) -> None:
+    """The Turns hold the engine's exact ids, and the second call's prompt holds the first
+    completion's raw tokens (not a re-tokenisation of the harness's re-serialised history)."""
+    from legorl.proxy.tokens import ChatTokenizer
+    from legorl.records import segment_prompts
+
+    tok = ChatTokenizer(MODEL)
+    assert len(main) == 2, [t.output.text for t in main]
+    for turn, entry in zip(main, script[1:], strict=True):
+        assert turn.completion_ids == tok.encode(entry["text"]) + [tok.eos_id]
+    assert [t.segment for t in main] == [0, 0]
+    (_, p0), (_, p1) = segment_prompts(main)
+    raw = p0 + main[0].completion_ids
+    assert p1[: len(raw)] == raw, "the second prompt does not hold the first completion's tokens"

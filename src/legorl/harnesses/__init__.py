@@ -282,11 +282,18 @@ class OpenHandsHarness:
 
 
 def default_openhands_python() -> str:
-    env = os.environ.get("LEGORL_OPENHANDS_PYTHON")
+    return default_venv_python("openhands")
+
+
+def default_venv_python(venv: str) -> str:
+    """The host's Python for a harness that lives in its own venv (``openhands``, ``miniswe``):
+    ``$LEGORL_<VENV>_PYTHON``, else ``.venv-<venv>/bin/python`` in or above the working folder
+    or the package, else Python 3.12 on PATH."""
+    env = os.environ.get(f"LEGORL_{venv.upper()}_PYTHON")
     if env:
         return env
     for base in (Path.cwd(), *HERE.parents):
-        cand = base / ".venv-openhands" / "bin" / "python"
+        cand = base / f".venv-{venv}" / "bin" / "python"
         if cand.exists():
             return str(cand)
     return "python3.12"
@@ -314,6 +321,14 @@ HARNESSES: Registry[Harness] = Registry(
         "openhands-sdk": OpenHandsHarness,
     },
 )
+
+
+# Harnesses in their own modules; imported here, after the helpers they use are defined.
+from legorl.harnesses.mini_swe_agent import MiniSweAgentHarness  # noqa: E402
+from legorl.harnesses.qwen_code import QwenCodeHarness  # noqa: E402
+
+HARNESSES.register("qwen-code", QwenCodeHarness)
+HARNESSES.register("mini-swe-agent", MiniSweAgentHarness)
 
 
 def make_harness(name: str, **config: Any) -> Harness:
