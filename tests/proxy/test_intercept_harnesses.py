@@ -55,7 +55,7 @@ def test_qwen_code_through_intercept(tmp_path: Path) -> None:
     with legorl_proxy(tmp_path, "intercept", script) as (port, out, data):
         ca = _ca_and_refusal(port, data)
         stdout = _run(
-            [qwen, "--yolo", "-o", "json", "legorl-e2e: write the file"],
+            [qwen, "--auth-type", "openai", "--yolo", "-o", "json", "legorl-e2e: write the file"],
             work,
             {
                 **_proxy_env(port, ca),

@@ -4,7 +4,7 @@
 
 Configured only through its own environment (``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and
 ``OPENAI_MODEL`` select its OpenAI-compatible auth) and a ``settings.json`` in its home folder
-that turns off usage statistics and auto-update. It runs as ``qwen --yolo -o json PROMPT``: every
+that turns off usage statistics and auto-update. It runs as ``qwen --auth-type openai --yolo -o json PROMPT``: every
 tool call is approved, and the last line of its output is a JSON list of events whose final
 ``result`` event says how the run ended. Its traffic is OpenAI Chat, streamed (SSE with
 ``stream_options.include_usage``), one call per turn; it lists no models and makes no auxiliary
@@ -91,6 +91,16 @@ class QwenCodeHarness:
                 "QWEN_CODE_SUPPRESS_YOLO_WARNING": "1",
             },
         )
-        cmd = ["qwen", "--yolo", "-o", "json", "--max-session-turns", str(self.max_turns), prompt]
+        cmd = [
+            "qwen",
+            "--auth-type",
+            "openai",  # chosen by OPENAI_BASE_URL alone otherwise; say it, as intercept needs
+            "--yolo",
+            "-o",
+            "json",
+            "--max-session-turns",
+            str(self.max_turns),
+            prompt,
+        ]
         result = await sandbox.exec(cmd, timeout=timeout, cwd=sandbox.workdir, env=env)
         return _run_record(result, classify(result), started)
