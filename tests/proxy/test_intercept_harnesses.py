@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from proxy_harness import ROOT
 from test_harness_e2e import _assert_round_trip, _need, _run, _script, _turns, legorl_proxy
 
@@ -38,6 +39,14 @@ def _proxy_env(port: int, ca: Path) -> dict[str, str]:
     }
 
 
+@pytest.mark.xfail(
+    reason=(
+        "measured here: Qwen Code 0.24.4 on Node 20.20 with HTTPS_PROXY fails inside its own "
+        "HTTP client ('Value of \"this\" must be of DOMException') before any call reaches the "
+        "proxy; not yet known whether a newer Node fixes it"
+    ),
+    strict=False,
+)
 def test_qwen_code_through_intercept(tmp_path: Path) -> None:
     qwen = _need(shutil.which("qwen"), "Qwen Code (npm @qwen-code/qwen-code)")
     work, home = tmp_path / "work", tmp_path / "home"

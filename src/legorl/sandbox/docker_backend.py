@@ -495,6 +495,8 @@ class DockerCache:
                 volume, base_tag, "legorl-runtime", lambda out: write_tar(src, out, layer.recipe)
             )
             check = (
+                # qwen is a `#!/usr/bin/env node` script: the runtime's node must be on PATH.
+                f"export PATH={RUNTIME_DIR}/bin:$PATH && "
                 f"{RUNTIME_DIR}/bin/node --version && {RUNTIME_DIR}/bin/claude --version && "
                 f"{RUNTIME_DIR}/bin/opencode --version && {RUNTIME_DIR}/bin/qwen --version && "
                 f"{RUNTIME_DIR}/openhands/bin/python "
