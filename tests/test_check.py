@@ -403,6 +403,7 @@ def test_harnesses_not_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert check_harness("mini", path=empty).reason == "python3 is not on PATH"
     unknown = check_harness("cursor")
     assert unknown.status == "fail" and "mini, claude-code, opencode, openhands-sdk" in unknown.fix
+    assert "qwen-code, mini-swe-agent" in unknown.fix
     monkeypatch.setenv("LEGORL_OPENHANDS_PYTHON", str(tmp_path / "no-venv" / "python"))
     openhands = check_harness("openhands-sdk")
     assert openhands.status == "fail" and "no Python at" in openhands.reason
@@ -410,6 +411,15 @@ def test_harnesses_not_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     # Without the SDK: a real interpreter that cannot import it.
     monkeypatch.setenv("LEGORL_OPENHANDS_PYTHON", sys.executable)
     assert "cannot import openhands.sdk" in check_harness("openhands-sdk").reason
+    qwen = check_harness("qwen-code", path=empty)
+    assert (qwen.status, qwen.reason) == ("fail", "qwen is not on PATH")
+    assert qwen.fix == "npm install -g @qwen-code/qwen-code@0.24.4"
+    monkeypatch.setenv("LEGORL_MINISWE_PYTHON", str(tmp_path / "no-venv" / "python"))
+    miniswe = check_harness("mini-swe-agent")
+    assert miniswe.status == "fail" and "no Python at" in miniswe.reason
+    assert "pip install mini-swe-agent==2.4.6" in miniswe.fix
+    monkeypatch.setenv("LEGORL_MINISWE_PYTHON", sys.executable)  # a Python without it
+    assert "cannot import minisweagent" in check_harness("mini-swe-agent").reason
     # In Docker the harness comes from the image, not the host.
     assert check_harness("claude-code", "docker", path=empty).status == "skip"
     assert check_harness("mini").status == "pass"

@@ -26,7 +26,6 @@ import pytest
 from fixtures import make_real_tasks as mrt
 from legorl.records import Metric, Task, Trajectory, read_jsonl, write_jsonl
 from legorl.tasks import apply_patch, checkout
-from legorl.verify.parsers import PARSERS
 from legorl.verify.redteam import honest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,11 +182,6 @@ def test_pytest_project_gold_passes_and_empty_fails_through_verify(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    "django" not in PARSERS,
-    strict=True,
-    reason="no django log parser is registered yet (the graders work: unittest signed grader)",
-)
 def test_django_gold_passes_and_empty_fails_through_verify(tmp_path: Path) -> None:
     _need("docker")
     tasks = _tasks("django")[:2]

@@ -1,5 +1,5 @@
-"""Real harnesses in Docker sandboxes through `legorl rollout`: Claude Code, OpenCode, Codex CLI
-and the OpenHands SDK each fix a toy task's bug because the `forced` engine (a fake shipping in
+"""Real harnesses in Docker sandboxes through `legorl rollout`: Claude Code, OpenCode, Codex CLI,
+the OpenHands SDK, Qwen Code and mini-swe-agent each fix a toy task's bug because the `forced` engine (a fake shipping in
 the package: scripted completions, log-probs from a real forward pass of the tiny model) tells
 them to run a shell command that makes the gold edit. The trajectory's patch must be the gold
 fix, its status `ok`, its turns captured; Codex's also runs in the local (bubblewrap) backend
@@ -54,6 +54,12 @@ def _script(harness: str, task: Task) -> list[dict]:
     elif harness == "codex":
         first = _call("exec_command", {"cmd": command})
         last = "The bug is fixed."
+    elif harness == "qwen-code":
+        first = _call("run_shell_command", {"command": command, "description": "apply the fix"})
+        last = "The bug is fixed."
+    elif harness == "mini-swe-agent":
+        first = _call("bash", {"command": command})
+        last = "Done.\n" + _call("bash", {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"})
     else:
         first = _call("terminal", {"command": command})
         last = _call("finish", {"message": "The bug is fixed."})
@@ -121,15 +127,20 @@ def _rollout(
     (traj,) = read_jsonl(tmp_path / "traj.jsonl", Trajectory)
     assert traj.status == "ok", traj.evidence
     assert traj.patch == task.patch
+    assert traj.turns_ref
     return task, traj, list(read_jsonl(tmp_path / traj.turns_ref[0], Turn))
 
 
-@pytest.mark.parametrize("harness", ["claude-code", "opencode", "openhands-sdk"])
+@pytest.mark.parametrize(
+    "harness", ["claude-code", "opencode", "openhands-sdk", "qwen-code", "mini-swe-agent"]
+)
 def test_real_harness_fixes_a_toy_task_in_docker(tmp_path: Path, harness: str) -> None:
-    _, _, turns = _rollout(tmp_path, harness)
+    task, _, turns = _rollout(tmp_path, harness)
     main = [t for t in turns if not t.flags.aux]
     assert len(main) >= 2 and main[0].output.tool_calls
     assert all(len(t.completion_logprobs) == len(t.completion_ids) for t in turns)
+    if harness in ("qwen-code", "mini-swe-agent"):
+        _assert_exact_turns(main, _script(harness, task))
 
 
 @pytest.mark.parametrize("sandbox", ["docker", "local"])
@@ -159,3 +170,19 @@ def test_codex_fixes_a_toy_task_and_verify_rewards_it(tmp_path: Path, sandbox: s
     assert graded.returncode == 0, graded.stderr[-3000:]
     (result,) = read_jsonl(tmp_path / "graded.jsonl", Trajectory)
     assert result.reward == 1.0, result.verdict
+
+
+def _assert_exact_turns(main: list[Turn], script: list[dict]) -> None:
+    """The Turns hold the engine's exact ids, and the second call's prompt holds the first
+    completion's raw tokens (not a re-tokenisation of the harness's re-serialised history)."""
+    from legorl.proxy.tokens import ChatTokenizer
+    from legorl.records import segment_prompts
+
+    tok = ChatTokenizer(MODEL)
+    assert len(main) == 2, [t.output.text for t in main]
+    for turn, entry in zip(main, script[1:], strict=True):
+        assert turn.completion_ids == tok.encode(entry["text"]) + [tok.eos_id]
+    assert [t.segment for t in main] == [0, 0]
+    (_, p0), (_, p1) = segment_prompts(main)
+    raw = p0 + main[0].completion_ids
+    assert p1[: len(raw)] == raw, "the second prompt does not hold the first completion's tokens"

@@ -740,7 +740,7 @@ def _version(cmd: list[str], timeout: float = 60) -> tuple[int | None, str]:
 def check_harness(name: str, sandbox: str = "local", path: str | None = None) -> CheckResult:
     """Is harness ``name`` installed where the run will start it? ``path`` overrides PATH. What
     to look for is the harness class's own ``requires``."""
-    from legorl.harnesses import HARNESSES, default_openhands_python
+    from legorl.harnesses import HARNESSES, default_venv_python
 
     label = f"harness: {name}"
     try:
@@ -758,7 +758,8 @@ def check_harness(name: str, sandbox: str = "local", path: str | None = None) ->
         if code != 0:
             return _fail(label, f"{found} --version failed: {version}", need.install)
         return _pass(label, f"{found}: {version}")
-    python = default_openhands_python() if need.python == "openhands" else (need.python or "")
+    venvs = ("openhands", "miniswe")
+    python = default_venv_python(need.python) if need.python in venvs else (need.python or "")
     found = python if os.path.isabs(python) else shutil.which(python, path=path)
     if not found or not os.path.exists(found):
         return _fail(

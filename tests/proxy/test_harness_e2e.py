@@ -84,7 +84,8 @@ def legorl_proxy(tmp: Path, mode: str, script: list[dict]) -> Iterator[tuple[int
         env={**os.environ, "LEGORL_DATA_DIR": str(data)},
     )
     try:
-        deadline = time.monotonic() + 60
+        # Generous: on a loaded machine loading the model and starting mitmproxy takes minutes.
+        deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             assert proc.poll() is None, (tmp / f"proxy-{mode}.log").read_text()
             try:

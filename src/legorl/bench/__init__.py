@@ -95,10 +95,17 @@ def _realsuite(args: argparse.Namespace) -> dict[str, Any]:
     return bench_realsuite(quick=args.quick)
 
 
+def _harness_shapes(args: argparse.Namespace) -> dict[str, Any]:
+    from legorl.bench.harness_shapes import bench_harness_shapes
+
+    return bench_harness_shapes(quick=args.quick)
+
+
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "records_io": _records_io,
     "proxy": _proxy,
     "proxy_codex": _proxy_codex,
+    "harness_shapes": _harness_shapes,
     "align": _align,
     "sandbox": _sandbox,
     "rollout": _rollout,

@@ -287,11 +287,18 @@ class OpenHandsHarness:
 
 
 def default_openhands_python() -> str:
-    env = os.environ.get("LEGORL_OPENHANDS_PYTHON")
+    return default_venv_python("openhands")
+
+
+def default_venv_python(venv: str) -> str:
+    """The host's Python for a harness that lives in its own venv (``openhands``, ``miniswe``):
+    ``$LEGORL_<VENV>_PYTHON``, else ``.venv-<venv>/bin/python`` in or above the working folder
+    or the package, else Python 3.12 on PATH."""
+    env = os.environ.get(f"LEGORL_{venv.upper()}_PYTHON")
     if env:
         return env
     for base in (Path.cwd(), *HERE.parents):
-        cand = base / ".venv-openhands" / "bin" / "python"
+        cand = base / f".venv-{venv}" / "bin" / "python"
         if cand.exists():
             return str(cand)
     return "python3.12"
@@ -328,8 +335,11 @@ def _register_modules() -> None:
     # Harnesses in modules of their own import this package's helpers, so they register here,
     # after those exist.
     from legorl.harnesses.gemini_cli import GeminiCliHarness
+    from legorl.harnesses.mini_swe_agent import MiniSweAgentHarness
+    from legorl.harnesses.qwen_code import QwenCodeHarness
 
-    HARNESSES.register(GeminiCliHarness.name, GeminiCliHarness)
+    for cls in (GeminiCliHarness, QwenCodeHarness, MiniSweAgentHarness):
+        HARNESSES.register(cls.name, cls)
 
 
 _register_modules()

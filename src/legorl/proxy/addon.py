@@ -7,18 +7,26 @@ changed reach the engine through ``HTTPS_PROXY``.
 Calls to the API hosts (api.anthropic.com, api.openai.com, Google's
 generativelanguage.googleapis.com) are answered by `ProxyCore`, never
 forwarded; the session is the API key the harness sends. Every other host is refused unless
-``allow_hosts`` names it. Streamed answers are sent whole: mitmproxy has no way to stream a
-response an addon makes itself.
+``allow_hosts`` names it.
+
+mitmproxy sends a response an addon makes itself in one piece, so API calls are not answered
+in the ``request`` hook: they are re-pointed at a `ProxyServer` on an ephemeral loopback port in
+this process, serving the same core, and ``responseheaders`` turns on mitmproxy's response
+streaming for them. A streamed answer (SSE) so reaches the harness event by event, as the engine
+samples, exactly as `legorl proxy serve` sends it.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 from legorl.proxy.core import ProxyCore
 
 if TYPE_CHECKING:
     from mitmproxy import http
+
+    from legorl.proxy.server import ProxyServer
 
 API_HOSTS = frozenset({"api.anthropic.com", "api.openai.com", "generativelanguage.googleapis.com"})
 
@@ -30,6 +38,8 @@ class LegorlAddon:
         self.core = core
         self.allow_hosts = set(allow_hosts)
         self.refused = 0
+        self._server: ProxyServer | None = None
+        self._starting = asyncio.Lock()
 
     def load(self, loader: Any) -> None:
         loader.add_option(
@@ -54,26 +64,35 @@ class LegorlAddon:
             self._refuse(flow)
 
     async def request(self, flow: http.HTTPFlow) -> None:
-        from mitmproxy import http
-
         host = flow.request.pretty_host
         if host not in API_HOSTS:
             if not self._allowed(host):
                 self._refuse(flow)
             return
-        headers = {k.lower(): v for k, v in flow.request.headers.items()}
-        path, _, query = flow.request.path.partition("?")
-        response = await self.core.handle(
-            flow.request.method, path, query, headers, flow.request.raw_content or b""
-        )
-        body = response.body
-        if not isinstance(body, bytes):
-            body = b"".join([chunk async for chunk in body])
-        flow.response = http.Response.make(
-            response.status,
-            body,
-            {"content-type": response.content_type, **response.headers},
-        )
+        port = await self._loopback_port()
+        flow.metadata["legorl_api_host"] = host
+        flow.request.scheme = "http"
+        flow.request.host = "127.0.0.1"
+        flow.request.port = port
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        if "legorl_api_host" in flow.metadata and flow.response is not None:
+            flow.response.stream = True
+
+    async def done(self) -> None:
+        if self._server is not None:
+            await self._server.close()
+            self._server = None
+
+    async def _loopback_port(self) -> int:
+        async with self._starting:
+            if self._server is None:
+                from legorl.proxy.server import ProxyServer
+
+                server = ProxyServer(self.core, "127.0.0.1", 0)
+                await server.start()
+                self._server = server
+            return self._server.port
 
     def _refuse(self, flow: http.HTTPFlow) -> None:
         from mitmproxy import http

@@ -557,23 +557,27 @@ class DockerCache:
     def tools_volume(
         self, src: RuntimeSources, layer: Layer, base_tag: str, build: bool
     ) -> tuple[str, LayerReport]:
-        """Node, the npm harnesses and the OpenHands venv, checked by running each."""
+        """Node, the npm harnesses and the harness venvs, checked by running each."""
 
         def fill(volume: str) -> None:
             self._fill(
                 volume, base_tag, "legorl-runtime", lambda out: write_tar(src, out, layer.recipe)
             )
             check = (
+                # qwen is a `#!/usr/bin/env node` script: the runtime's node must be on PATH.
+                f"export PATH={RUNTIME_DIR}/bin:$PATH && "
                 f"{RUNTIME_DIR}/bin/node --version && {RUNTIME_DIR}/bin/claude --version && "
-                f"{RUNTIME_DIR}/bin/opencode --version && {RUNTIME_DIR}/openhands/bin/python "
-                "-c 'import openhands.sdk, sys; print(sys.version)'"
+                f"{RUNTIME_DIR}/bin/opencode --version && {RUNTIME_DIR}/bin/qwen --version && "
+                f"{RUNTIME_DIR}/openhands/bin/python "
+                "-c 'import openhands.sdk, sys; print(sys.version)' && "
+                f"{RUNTIME_DIR}/miniswe/bin/python -c 'import minisweagent'"
             )
             self._run_once(
                 base_tag,
                 ["/bin/sh", "-c", check],
                 mounts={volume: RUNTIME_DIR},
                 layer=layer,
-                step="check: node, claude, opencode --version; import openhands.sdk",
+                step="check: node, claude, opencode, qwen --version; import openhands.sdk, minisweagent",
             )
 
         return self._volume("legorl-runtime", layer, build, fill, base_tag)

@@ -1,5 +1,6 @@
 """The harness-runtime layer: Node, the npm harnesses (Claude Code, OpenCode, Codex CLI, Gemini
-CLI, …), the OpenHands SDK venv (Python 3.12) and legorl's built-in agent, shared by every
+CLI, Qwen Code), the OpenHands SDK and mini-swe-agent venvs (both on one Python 3.12) and
+legorl's built-in agent, shared by every
 sandbox at ``/opt/legorl-runtime``.
 
     legorl sandbox build --tasks fixtures/tasks/train.jsonl --runtime
@@ -10,12 +11,14 @@ Layout inside a sandbox (the same for both backends)::
     /opt/legorl-runtime/lib/node_modules/…           the npm packages they come from
     /opt/legorl-runtime/python/                       the Python 3.12 the venv runs on
     /opt/legorl-runtime/openhands/bin/python          the OpenHands SDK venv
+    /opt/legorl-runtime/miniswe/bin/python            the mini-swe-agent venv
     /opt/legorl-runtime/agent/*.py                    built-in agent and harness drivers
     /opt/legorl-runtime/manifest.json                 versions (the layer's recipe)
 
 The layer is made from what is installed on this host (no registry is reachable from a
 sandbox): ``node`` on PATH and its global npm packages, the OpenHands venv named by
-``$LEGORL_OPENHANDS_PYTHON`` or found at ``.venv-openhands/`` in the repository root, and
+``$LEGORL_OPENHANDS_PYTHON`` or found at ``.venv-openhands/`` in the repository root (the same
+for mini-swe-agent: ``$LEGORL_MINISWE_PYTHON``, ``.venv-miniswe/``, made on the same Python), and
 ``legorl/harnesses/*.py``. Its key hashes their versions, not their bytes, so checking it is
 quick. For Docker the files are copied into a named volume once and mounted read-only into
 instance containers (never rebuilt into them); the copied Python gets a relative RUNPATH so it
@@ -41,7 +44,15 @@ import legorl
 from legorl.sandbox.common import RUNTIME_DIR
 from legorl.sandbox.layers import Layer
 
-NPM_PACKAGES = ("@anthropic-ai/claude-code", "opencode-ai", "@openai/codex", "@google/gemini-cli")
+NPM_PACKAGES = (
+    "@anthropic-ai/claude-code",
+    "opencode-ai",
+    "@openai/codex",
+    "@google/gemini-cli",
+    "@qwen-code/qwen-code",
+)
+#: Harness venvs, by the folder they get in the layout; all run on the OpenHands venv's Python.
+VENVS = ("openhands", "miniswe")
 _SKIP_PY = ("lib/python3.12/test/", "lib/python3.12/idlelib/", "lib/python3.12/tkinter/")
 
 
@@ -52,6 +63,7 @@ class RuntimeSources:
     node: Path | None = None
     npm_root: Path | None = None
     openhands_venv: Path | None = None
+    miniswe_venv: Path | None = None
     agent_dir: Path | None = None
 
     @classmethod
@@ -67,28 +79,24 @@ class RuntimeSources:
         if npm_root is None and shutil.which("npm"):
             out = subprocess.run(["npm", "root", "-g"], capture_output=True, text=True, timeout=60)
             npm_root = Path(out.stdout.strip()) if out.returncode == 0 else None
-        venv: Path | None = None
-        py = os.environ.get("LEGORL_OPENHANDS_PYTHON")
-        candidates = [Path(py).parent.parent] if py else []
-        repo_root = Path(legorl.__file__).resolve().parents[2]
-        candidates += [repo_root / ".venv-openhands", Path.cwd() / ".venv-openhands"]
-        for cand in candidates:
-            if (cand / "pyvenv.cfg").is_file():
-                venv = cand.absolute()
-                break
         agent = Path(legorl.__file__).resolve().parent / "harnesses"
         return cls(
             node=node_path,
             npm_root=npm_root,
-            openhands_venv=venv,
+            openhands_venv=_find_venv("openhands"),
+            miniswe_venv=_find_venv("miniswe"),
             agent_dir=agent if agent.is_dir() else None,
         )
+
+    def venv(self, name: str) -> Path | None:
+        return self.openhands_venv if name == "openhands" else self.miniswe_venv
 
     def package(self, name: str) -> Path | None:
         if self.npm_root is None:
             return None
         path = self.npm_root / name
-        return path if (path / "package.json").is_file() else None
+        # Resolved: an npm root may be a folder of links to packages installed elsewhere.
+        return path.resolve() if (path / "package.json").is_file() else None
 
     def venv_home(self) -> Path | None:
         """The Python prefix the OpenHands venv runs on."""
@@ -97,6 +105,17 @@ class RuntimeSources:
         cfg = _pyvenv_cfg(self.openhands_venv)
         home = cfg.get("home")
         return Path(home).parent if home else None
+
+
+def _find_venv(name: str) -> Path | None:
+    py = os.environ.get(f"LEGORL_{name.upper()}_PYTHON")
+    candidates = [Path(py).parent.parent] if py else []
+    repo_root = Path(legorl.__file__).resolve().parents[2]
+    candidates += [repo_root / f".venv-{name}", Path.cwd() / f".venv-{name}"]
+    for cand in candidates:
+        if (cand / "pyvenv.cfg").is_file():
+            return cand.absolute()
+    return None
 
 
 def _pyvenv_cfg(venv: Path) -> dict[str, str]:
@@ -118,19 +137,21 @@ def manifest(src: RuntimeSources) -> dict[str, Any]:
     for name in NPM_PACKAGES:
         pkg = src.package(name)
         packages[name] = json.loads((pkg / "package.json").read_text())["version"] if pkg else None
-    openhands = None
-    if src.openhands_venv is not None:
-        cfg = _pyvenv_cfg(src.openhands_venv)
-        site = src.openhands_venv / "lib"
-        dists = sorted(p.name for p in site.glob("python*/site-packages/*.dist-info"))
-        openhands = {"python": cfg.get("version"), "dists": dists}
+    venvs: dict[str, dict[str, Any] | None] = {}
+    for name in VENVS:
+        venv = src.venv(name)
+        venvs[name] = None
+        if venv is not None:
+            cfg = _pyvenv_cfg(venv)
+            dists = sorted(p.name for p in (venv / "lib").glob("python*/site-packages/*.dist-info"))
+            venvs[name] = {"python": cfg.get("version"), "dists": dists}
     agent = None
     if src.agent_dir is not None:
         agent = {
             p.name: hashlib.sha256(p.read_bytes()).hexdigest()[:16]
             for p in sorted(src.agent_dir.glob("*.py"))
         }
-    return {"node": node_version, "npm": packages, "openhands": openhands, "agent": agent}
+    return {"node": node_version, "npm": packages, **venvs, "agent": agent}
 
 
 def runtime_layer(src: RuntimeSources | None = None) -> Layer:
@@ -153,7 +174,7 @@ def missing_parts(recipe: dict[str, Any]) -> list[str]:
         return [] if recipe["agent"] else ["built-in agent"]
     missing = [] if recipe.get("node") else ["node"]
     missing += [name for name, version in recipe.get("npm", {}).items() if not version]
-    missing += [] if recipe.get("openhands") else ["openhands venv"]
+    missing += [f"{name} venv" for name in VENVS if not recipe.get(name)]
     missing += [] if recipe.get("agent", True) else ["built-in agent"]
     return missing
 
@@ -223,7 +244,10 @@ def write_tar(src: RuntimeSources, out: Any, recipe: dict[str, Any]) -> None:
         home = src.venv_home()
         if src.openhands_venv is not None and home is not None:
             _add_python(tar, home, f"{top}/python")
-            _add_venv(tar, src.openhands_venv, f"{top}/openhands", home, root)
+            for name in VENVS:
+                venv = src.venv(name)
+                if venv is not None and _pyvenv_cfg(venv).get("home") == f"{home}/bin":
+                    _add_venv(tar, venv, f"{top}/{name}", home, root)
         _add_bytes(tar, f"{top}/manifest.json", json.dumps(recipe, indent=2).encode())
 
 
@@ -258,7 +282,7 @@ def _add_venv(tar: tarfile.TarFile, venv: Path, dest: str, home: Path, root: str
     version = cfg.get("version", "3.12")
     major_minor = ".".join(version.split(".")[:2])
     old_shebang = f"#!{venv}/bin/python".encode()
-    new_shebang = f"#!{root}/openhands/bin/python".encode()
+    new_shebang = f"#!{root}/{dest.rsplit('/', 1)[-1]}/bin/python".encode()
     for dirpath, dirnames, filenames in os.walk(venv):
         rel_dir = os.path.relpath(dirpath, venv)
         rel_dir = "" if rel_dir == "." else rel_dir
@@ -312,9 +336,13 @@ def local_layout(src: RuntimeSources, dest: Path, recipe: dict[str, Any]) -> lis
             (dest / "bin" / exe).symlink_to(os.path.normpath(pkg / rel))
     home = src.venv_home()
     if src.openhands_venv is not None and home is not None:
-        (dest / "openhands").symlink_to(src.openhands_venv)
         (dest / "python").symlink_to(home)
-        binds += [src.openhands_venv, home]
+        binds.append(home)
+        for name in VENVS:
+            venv = src.venv(name)
+            if venv is not None:
+                (dest / name).symlink_to(venv)
+                binds.append(venv)
     if src.agent_dir is not None:
         (dest / "agent").mkdir()
         for path in sorted(src.agent_dir.glob("*.py")):
