@@ -595,6 +595,11 @@ def test_stream_yields_as_events_arrive(api: ApiName) -> None:
 
 @pytest.mark.parametrize("api", list(WIRES))
 def test_tool_call_ids_are_fresh_and_styled(api: ApiName) -> None:
-    prefix = {"openai_chat": "call_", "anthropic": "toolu_", "responses": "call_"}[api]
+    prefix = {
+        "openai_chat": "call_",
+        "anthropic": "toolu_",
+        "responses": "call_",
+        "gemini": "call_",
+    }[api]
     ids = {WIRES[api].tool_call_id() for _ in range(100)}
     assert len(ids) == 100 and all(i.startswith(prefix) for i in ids)

@@ -154,7 +154,10 @@ def test_a_task_may_stand_on_a_prebuilt_image(docker_backend: Any) -> None:
     finally:
         _drop(docker_backend, reports)
     missing = variant(base, image="registry.invalid/legorl/none:1", env=None)
-    with pytest.raises(BuildError, match=r"cannot pull image registry.invalid/legorl/none:1"):
+    with pytest.raises(
+        BuildError,
+        match=r"image registry.invalid/legorl/none:1 is not present and cannot be pulled",
+    ):
         docker_backend.cache.ensure(missing, TASKS_DIR)
 
 
