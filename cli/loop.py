@@ -11,17 +11,30 @@ only prints its summary. Exit status: 0 done; 1 a stage failed; 2 bad usage.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
+from legorl.loop_config import LOOP_LR, LOOP_LR_ALL, LOOP_LR_SCALE, LoopConfig
+
 from ._common import ReportTo, TaskFormat, console, fail, key_values
 
 if TYPE_CHECKING:
     from legorl.loop import LoopResult
+
+#: The flags' defaults are LoopConfig's: one place says what the loop runs with.
+_D = types.SimpleNamespace(
+    **{
+        f.name: f.default
+        for f in dataclasses.fields(LoopConfig)
+        if f.default is not dataclasses.MISSING
+    }
+)
 
 HELP = "The RL loop: rollout → verify → align → train, K iterations, held-out eval; resumable."
 
@@ -35,47 +48,57 @@ def loop(
     ] = None,
     model: Annotated[
         Path, typer.Option("--model", "-m", help="Model folder to start from.")
-    ] = Path("fixtures/models/tiny-agent"),
+    ] = _D.model,
     tasks_dir: Annotated[
         Path, typer.Option(help="Folder with train.jsonl and heldout.jsonl.")
-    ] = Path("fixtures/tasks-generated"),
-    task_format: TaskFormat = None,
+    ] = _D.tasks_dir,
+    task_format: TaskFormat = _D.task_format,
     out: Annotated[
         Path, typer.Option("--out", "-o", help="Run folder (re-use it to continue).")
-    ] = Path("runs/loop"),
-    iterations: Annotated[int, typer.Option(help="Training iterations.")] = 16,
-    group_size: Annotated[int, typer.Option("--group-size", "-g", help="Samples per task.")] = 4,
+    ] = _D.out,
+    iterations: Annotated[int, typer.Option(help="Training iterations.")] = _D.iterations,
+    group_size: Annotated[
+        int, typer.Option("--group-size", "-g", help="Samples per task.")
+    ] = _D.group_size,
     tasks_per_iteration: Annotated[
         int, typer.Option(help="Train tasks per iteration (round-robin, seeded shuffle).")
-    ] = 16,
-    eval_samples: Annotated[int, typer.Option(help="Seeded samples per held-out task.")] = 4,
+    ] = _D.tasks_per_iteration,
+    eval_samples: Annotated[
+        int, typer.Option(help="Seeded samples per held-out task.")
+    ] = _D.eval_samples,
     eval_limit: Annotated[
         int | None, typer.Option(help="Only the first N held-out tasks (default: all).")
-    ] = None,
-    sandbox: Annotated[str, typer.Option(help="local | docker")] = "local",
+    ] = _D.eval_limit,
+    sandbox: Annotated[str, typer.Option(help="local | docker")] = _D.sandbox,
     concurrency: Annotated[
         int, typer.Option("--concurrency", "-c", help="Runs and gradings at once.")
-    ] = 4,
-    max_turns: Annotated[int, typer.Option(help="Agent turns per run.")] = 6,
-    max_tokens: Annotated[int, typer.Option(help="Completion tokens per model call.")] = 256,
-    temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 1.0,
-    seed: Annotated[int, typer.Option(help="Task shuffle; eval seeds are SEED + sample.")] = 0,
-    steps_per_iteration: Annotated[int, typer.Option(help="Optimizer steps per iteration.")] = 1,
+    ] = _D.concurrency,
+    max_turns: Annotated[int, typer.Option(help="Agent turns per run.")] = _D.max_turns,
+    max_tokens: Annotated[
+        int, typer.Option(help="Completion tokens per model call.")
+    ] = _D.max_tokens,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = _D.temperature,
+    seed: Annotated[
+        int, typer.Option(help="Task shuffle; eval seeds are SEED + sample.")
+    ] = _D.seed,
+    steps_per_iteration: Annotated[
+        int, typer.Option(help="Optimizer steps per iteration.")
+    ] = _D.steps_per_iteration,
     train_params: Annotated[
         str,
         typer.Option(
             help="Parameters to train, a regular expression over their names ('' = all); the "
             "rest stay frozen."
         ),
-    ] = r"^model\.norm\.",
+    ] = _D.train_params,
     lr: Annotated[
         float | None,
         typer.Option(
-            help="Learning rate (default: 0.1 with the default --train-params and --scale-only, "
-            "0.4 with the default --train-params and --scale-only '', else 1e-4; or an lr= "
-            "override)."
+            help=f"Learning rate (default: {LOOP_LR_SCALE} with the default --train-params and "
+            f"--scale-only, {LOOP_LR} with the default --train-params and --scale-only '', else "
+            f"{LOOP_LR_ALL}; or an lr= override)."
         ),
-    ] = None,
+    ] = _D.lr,
     lr_groups: Annotated[
         str,
         typer.Option(
@@ -83,7 +106,7 @@ def loop(
             "entries, the first that finds a name wins (say '^model\\.norm\\.=0.4' with "
             "--train-params '' --lr 3e-5)."
         ),
-    ] = "",
+    ] = _D.lr_groups,
     scale_only: Annotated[
         str | None,
         typer.Option(
@@ -91,15 +114,15 @@ def loop(
             "regular expression; '' = none). Default: the final norm with the default "
             "--train-params (a learned inverse temperature), else none."
         ),
-    ] = None,
+    ] = _D.scale_only,
     algorithm: Annotated[
         str | None, typer.Option(help="gspo | grpo | drgrpo (default: the trainer's).")
-    ] = None,
-    timeout: Annotated[float, typer.Option(help="Seconds per harness run.")] = 300.0,
-    device: Annotated[str, typer.Option(help="Engine device: auto, cpu, cuda, …")] = "auto",
+    ] = _D.algorithm,
+    timeout: Annotated[float, typer.Option(help="Seconds per harness run.")] = _D.timeout,
+    device: Annotated[str, typer.Option(help="Engine device: auto, cpu, cuda, …")] = _D.device,
     engine: Annotated[
         str, typer.Option(help="embedded | vllm (launched by legorl, or --engine-opt base_url=…).")
-    ] = "embedded",
+    ] = _D.engine,
     engine_opt: Annotated[
         list[str] | None,
         typer.Option("--engine-opt", help="vllm engine KEY=VALUE, e.g. dtype=bfloat16."),
@@ -107,7 +130,7 @@ def loop(
     report_to: ReportTo = None,
 ) -> None:
     """Rollout → verify → align → train, ITERATIONS times, with held-out evaluation."""
-    from legorl.loop import LoopConfig, LoopConfigError, LoopError, run_loop
+    from legorl.loop import LoopConfigError, LoopError, run_loop
 
     config = LoopConfig(
         model=model,

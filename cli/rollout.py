@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import uuid
 from pathlib import Path
@@ -22,7 +23,6 @@ from ._common import (
     TaskFormat,
     budget,
     console,
-    engine_log_beside,
     fail,
     key_values,
     require_images,
@@ -90,10 +90,19 @@ def rollout(
 
     from legorl.harnesses import make_harness
     from legorl.monitors import Monitor, MonitorStop
-    from legorl.protocols import EngineError, Limits, SandboxError
-    from legorl.records import JsonlWriter
-    from legorl.rollout import Progress, SessionOpenError, finished_ids, plan_runs, remote_proxy
-    from legorl.rollout import rollout as run_all
+    from legorl.protocols import EngineError, SandboxError
+    from legorl.rollout import (
+        EngineSpec,
+        Progress,
+        ProxyEndpoint,
+        RunContext,
+        SessionOpenError,
+        finished_ids,
+        plan_runs,
+        remote_proxy,
+        rollout_into,
+        serve_engine,
+    )
     from legorl.sandbox import make_backend
     from legorl.tasks import TaskError, load_tasks
 
@@ -147,56 +156,59 @@ def rollout(
             fail("rollout", f"--proxy: {exc}")
 
     async def main() -> None:
-        kwargs: dict[str, Any] = dict(
-            harness=agent,
-            backend=backend,
-            tasks_dir=tasks.parent,
-            timeout=timeout,
-            limits=Limits(wall_s=timeout + 120),
-            run_id=run_id,
-            refs_relative_to=refs_base,
-            concurrency=concurrency,
-            progress=progress,
-        )
-        with JsonlWriter(out) as writer, RichProgress(console=console, transient=True) as bar:
+        with RichProgress(console=console, transient=True) as bar:
             task_id = bar.add_task("rollout", total=len(runs))
 
-            async def consume(endpoint: Any, name: str) -> None:
-                async for traj in run_all(runs, proxy=endpoint, model=name, **kwargs):
-                    writer.write(traj)
-                    monitor.observe_trajectory(traj)
-                    statuses = " ".join(f"{k} {v}" for k, v in sorted(progress.by_status.items()))
-                    bar.update(
-                        task_id,
-                        completed=progress.done,
-                        description=(
-                            f"done {progress.done}/{progress.total} · running {progress.running} · "
-                            f"{statuses} · {progress.tokens_per_s:.0f} tok/s"
-                        ),
-                    )
+            def show(_traj: Any) -> None:
+                statuses = " ".join(f"{k} {v}" for k, v in sorted(progress.by_status.items()))
+                bar.update(
+                    task_id,
+                    completed=progress.done,
+                    description=(
+                        f"done {progress.done}/{progress.total} · running {progress.running} · "
+                        f"{statuses} · {progress.tokens_per_s:.0f} tok/s"
+                    ),
+                )
+
+            async def consume(endpoint: ProxyEndpoint, name: str) -> None:
+                ctx = RunContext(
+                    harness=agent,
+                    backend=backend,
+                    proxy=endpoint,
+                    model=name,
+                    tasks_dir=tasks.parent,
+                    timeout=timeout,
+                    run_id=run_id,
+                    refs_relative_to=refs_base,
+                )
+                await rollout_into(
+                    out,
+                    runs,
+                    ctx,
+                    concurrency=concurrency,
+                    progress=progress,
+                    monitor=monitor,
+                    each=show,
+                )
 
             if remote is not None:
                 await consume(remote, served_model or "legorl")
                 return
-            from legorl.engines import make_engine
-            from legorl.rollout import inprocess_proxy
-
             assert model is not None
             opts = key_values("rollout", "--engine-opt", engine_opt)
             if script is not None:
                 opts["script"] = str(script)
-            engine_log_beside(engine, opts, refs_base)
-            try:
-                eng = make_engine(engine, model_path=str(model), **opts)
-            except (ValueError, TypeError, FileNotFoundError) as exc:
-                fail("rollout", f"--engine {engine}: {exc}", 2)
-            except EngineError as exc:  # e.g. a vLLM server that legorl could not start
-                fail("rollout", f"--engine {engine}: {exc}")
-            try:
-                async with inprocess_proxy(model, eng, turns, caps) as (endpoint, core):
-                    await consume(endpoint, served_model or core.served_name)
-            finally:
-                await eng.close()
+            spec = EngineSpec(name=engine, weights=model, options=opts, log_dir=refs_base)
+            async with contextlib.AsyncExitStack() as stack:
+                try:
+                    endpoint, core = await stack.enter_async_context(
+                        serve_engine(model, spec, turns, caps)
+                    )
+                except (ValueError, TypeError, FileNotFoundError) as exc:
+                    fail("rollout", f"--engine {engine}: {exc}", 2)
+                except EngineError as exc:  # e.g. a vLLM server that legorl could not start
+                    fail("rollout", f"--engine {engine}: {exc}")
+                await consume(endpoint, served_model or core.served_name)
 
     try:
         asyncio.run(main())

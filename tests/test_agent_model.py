@@ -29,7 +29,7 @@ from legorl.harnesses import make_harness
 from legorl.protocols import Limits
 from legorl.proxy.tokens import ChatTokenizer
 from legorl.records import Task, Trajectory, Turn, read_jsonl
-from legorl.rollout import Run, inprocess_proxy, run_one
+from legorl.rollout import Run, RunContext, inprocess_proxy, run_one
 from legorl.sandbox import make_backend
 from legorl.verify import verify
 
@@ -156,15 +156,17 @@ def test_transcript_tokens_are_what_the_proxy_records_in_a_real_run(
             async with inprocess_proxy(BASE, engine, tmp_path / "turns") as (endpoint, _):
                 traj = await run_one(
                     Run(task=task, sample_index=0),
-                    harness=make_harness("mini", max_turns=4),
-                    backend=make_backend("local"),
-                    proxy=endpoint,
-                    tasks_dir=TASKS,
-                    model="tiny-agent",
-                    timeout=120,
-                    limits=Limits(wall_s=120),
-                    run_id="legorl-test-agent-model",
-                    refs_relative_to=tmp_path,
+                    RunContext(
+                        harness=make_harness("mini", max_turns=4),
+                        backend=make_backend("local"),
+                        proxy=endpoint,
+                        tasks_dir=TASKS,
+                        model="tiny-agent",
+                        timeout=120,
+                        limits=Limits(wall_s=120),
+                        run_id="legorl-test-agent-model",
+                        refs_relative_to=tmp_path,
+                    ),
                 )
             graded = [
                 g

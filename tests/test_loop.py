@@ -26,10 +26,6 @@ import pytest
 from conftest import ROOT
 
 from legorl.loop import (
-    LOOP_LR,
-    LOOP_LR_ALL,
-    LOOP_LR_SCALE,
-    LOOP_TRAIN_PARAMS,
     EvalResult,
     IterationResult,
     LoopConfig,
@@ -41,6 +37,7 @@ from legorl.loop import (
     loop_metrics,
     run_loop,
 )
+from legorl.loop_config import LOOP_LR, LOOP_LR_ALL, LOOP_LR_SCALE, LOOP_TRAIN_PARAMS
 from legorl.records import Metric, Trajectory, Turn, read_jsonl
 
 TASKS = ROOT / "fixtures" / "tasks"

@@ -26,7 +26,7 @@ from legorl.engines import make_engine
 from legorl.harnesses.testing import ScriptedHarness
 from legorl.protocols import Limits
 from legorl.records import Task, Trajectory, Turn, read_jsonl
-from legorl.rollout import Run, inprocess_proxy, plan_runs, run_one
+from legorl.rollout import Run, RunContext, inprocess_proxy, plan_runs, run_one
 from legorl.sandbox import make_backend
 from legorl.verify.redteam import honest
 
@@ -100,15 +100,17 @@ async def _one(tmp: Path, harness, task: Task, timeout: float = 60) -> Trajector
         async with inprocess_proxy(MODEL, engine, tmp / "turns") as (endpoint, _):
             return await run_one(
                 Run(task=task, sample_index=0),
-                harness=harness,
-                backend=make_backend("local"),
-                proxy=endpoint,
-                tasks_dir=TASKS,
-                model="tiny",
-                timeout=timeout,
-                limits=Limits(wall_s=120),
-                run_id="legorl-test-status",
-                refs_relative_to=tmp,
+                RunContext(
+                    harness=harness,
+                    backend=make_backend("local"),
+                    proxy=endpoint,
+                    tasks_dir=TASKS,
+                    model="tiny",
+                    timeout=timeout,
+                    limits=Limits(wall_s=120),
+                    run_id="legorl-test-status",
+                    refs_relative_to=tmp,
+                ),
             )
     finally:
         await engine.close()

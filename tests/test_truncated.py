@@ -25,7 +25,7 @@ from legorl.harnesses import make_harness
 from legorl.protocols import Limits
 from legorl.proxy.core import Budget
 from legorl.records import Task, Trajectory, Turn, read_jsonl
-from legorl.rollout import Run, inprocess_proxy, run_one
+from legorl.rollout import Run, RunContext, inprocess_proxy, run_one
 from legorl.sandbox import make_backend
 from legorl.verify.redteam import honest
 
@@ -44,15 +44,17 @@ async def _mini(tmp: Path, script: list, budget: Budget | None) -> Trajectory:
         async with inprocess_proxy(MODEL, engine, tmp / "turns", budget) as (endpoint, _):
             return await run_one(
                 Run(task=_task(), sample_index=0),
-                harness=make_harness("mini"),
-                backend=make_backend("local"),
-                proxy=endpoint,
-                tasks_dir=TASKS,
-                model="tiny",
-                timeout=120,
-                limits=Limits(wall_s=240),
-                run_id="legorl-test-truncated",
-                refs_relative_to=tmp,
+                RunContext(
+                    harness=make_harness("mini"),
+                    backend=make_backend("local"),
+                    proxy=endpoint,
+                    tasks_dir=TASKS,
+                    model="tiny",
+                    timeout=120,
+                    limits=Limits(wall_s=240),
+                    run_id="legorl-test-truncated",
+                    refs_relative_to=tmp,
+                ),
             )
     finally:
         await engine.close()

@@ -11,9 +11,10 @@ held-out evaluation samples ``eval_samples`` runs per ``heldout.jsonl`` task wit
 (``seed`` + sample index), the same before and after, so the two are comparable; its success is
 the fraction of graded runs with reward 1 (environment failures are counted, not graded).
 By default the trainer updates only the final norm's gains (``train_params``, see
-``LOOP_TRAIN_PARAMS``), and those through one common factor (``scale_only``, a learned inverse
-temperature); ``--scale-only ''`` trains the gains one by one, ``--train-params ''`` trains every
-parameter, and ``--lr-groups`` gives some of them another lr.
+``LOOP_TRAIN_PARAMS`` in ``legorl.loop_config``, where the options and their defaults live), and
+those through one common factor (``scale_only``, a learned inverse temperature);
+``--scale-only ''`` trains the gains one by one, ``--train-params ''`` trains every parameter,
+and ``--lr-groups`` gives some of them another lr.
 
 Layout under ``out``::
 
@@ -43,6 +44,7 @@ fidelity figures).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
@@ -57,7 +59,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from legorl.protocols import Limits, SandboxError
+from legorl.loop_config import LoopConfig, LoopConfigError
+from legorl.protocols import ConfigError, SandboxError
 from legorl.records import (
     ENVIRONMENT_FAILURES,
     JsonlWriter,
@@ -66,21 +69,12 @@ from legorl.records import (
     read_jsonl,
     write_jsonl,
 )
-from legorl.train.config import ConfigError, TrainConfig, build_config, parse_override
 
 STATE_FILE = "state.json"
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loop.png"
 EVAL_FILE = "eval.json"
 
-#: Train config keys the loop sets from its own options.
-_LOOP_OWNED = {
-    "steps": "steps_per_iteration",
-    "temperature": "temperature",
-    "train_params": "train_params",
-    "lr_groups": "lr_groups",
-    "scale_only": "scale_only",
-}
 #: Options that may change between a run and its continuation; the others must not.
 _MAY_CHANGE = {"out", "iterations", "sandbox", "concurrency", "timeout", "device", "engine_options"}
 _PATHS = {"model", "tasks_dir"}
@@ -90,207 +84,8 @@ Log = Callable[[str], None]
 ProgressFn = Callable[[str, int, int], None]
 
 
-class LoopConfigError(ConfigError):
-    """A bad loop option; ``field`` is the LoopConfig field (``train``: a train config key)."""
-
-    def __init__(self, field: str, problem: str) -> None:
-        super().__init__(f"{field}: {problem}")
-        self.field = field
-        self.problem = problem
-
-
 class LoopError(RuntimeError):
     """A stage failed in a way the loop cannot go on from; the message says which."""
-
-
-# The final RMSNorm's gains, the rest frozen: a step of 64 episodes is too little signal for
-# every parameter (measured in docs/experiments.md, "One step side by side").
-LOOP_TRAIN_PARAMS = r"^model\.norm\."
-# The default lr: those gains through one common factor (scale_only), moved about lr a step.
-LOOP_LR_SCALE = 0.1
-# The lr of those gains one by one (--scale-only ''), and of any other train_params
-# (docs/experiments.md, "The final norm's gains one by one" and "Earlier defaults").
-LOOP_LR = 0.4
-LOOP_LR_ALL = 1e-4
-
-
-# The default model and tasks live in the source checkout's fixtures/, not in the wheel
-# (tiny-agent alone is 13 MB): a checkout finds them from any folder, a wheel says where to look.
-DEFAULT_MODEL = Path("fixtures/models/tiny-agent")
-DEFAULT_TASKS = Path("fixtures/tasks-generated")
-FIXTURES_HINT = (
-    "the default model and tasks are in the source repository's fixtures/, not in the wheel: "
-    "run from a clone of the repository, or give --model DIR and --tasks-dir DIR"
-)
-_CHECKOUT = Path(__file__).resolve().parents[2]  # the repository root when installed editable
-
-
-def checkout_path(path: Path) -> Path:
-    """``path``; or, when it is a relative ``fixtures/…`` path missing from the current folder,
-    the same path in the source checkout this module runs from, if that has it."""
-    path = Path(path)
-    if path.is_absolute() or path.exists() or path.parts[:1] != ("fixtures",):
-        return path
-    there = _CHECKOUT / path
-    return there if there.exists() else path
-
-
-def default_scale_only(train_params: str) -> str:
-    """What the loop trains as one factor when ``--scale-only`` is not given: the final norm
-    with the default ``train_params``, else nothing."""
-    return LOOP_TRAIN_PARAMS if train_params == LOOP_TRAIN_PARAMS else ""
-
-
-def default_lr(train_params: str, scale_only: str) -> float:
-    """The loop's learning rate when neither ``--lr`` nor an ``lr=`` override is given, for the
-    trained parameters and (resolved) ``scale_only``."""
-    if train_params != LOOP_TRAIN_PARAMS:
-        return LOOP_LR_ALL
-    return LOOP_LR_SCALE if scale_only else LOOP_LR
-
-
-@dataclass(kw_only=True)
-class LoopConfig:
-    model: Path = DEFAULT_MODEL
-    tasks_dir: Path = DEFAULT_TASKS  # holds train.jsonl and heldout.jsonl
-    task_format: str | None = (
-        None  # the set their rows come from (legorl.tasks.FORMATS); None: detected
-    )
-    out: Path = Path("runs/loop")
-    iterations: int = 16
-    group_size: int = 4  # samples per task in a training iteration
-    tasks_per_iteration: int = 16
-    eval_samples: int = 4  # seeded samples per held-out task
-    eval_limit: int | None = None  # the first N held-out tasks; None: all
-    sandbox: str = "local"
-    # runs (and gradings) at once; more than the cores, as the engine batches their calls
-    concurrency: int = 4
-    max_turns: int = 6
-    max_tokens: int = 256  # per model call
-    temperature: float = 1.0  # sampling, and the trainer's log-prob temperature
-    seed: int = 0  # task shuffle; evaluation seeds are seed + sample index
-    steps_per_iteration: int = 1
-    # parameters trained (a regular expression over their names); "" = all of them
-    train_params: str = LOOP_TRAIN_PARAMS
-    lr: float | None = None  # None: an ``lr=`` override, else default_lr(...)
-    # other lrs for some of the trained parameters (the trainer's lr_groups: REGEX=LR entries)
-    lr_groups: str = ""
-    # of those, the ones trained through one scalar factor each (the trainer's scale_only);
-    # None: default_scale_only(train_params), the final norm with the default train_params
-    scale_only: str | None = None
-    algorithm: str | None = None  # None: the trainer's default
-    train_overrides: list[str] = field(default_factory=list)  # TrainConfig key=value
-    timeout: float = 300.0  # seconds per harness run
-    device: str = "auto"  # the engine's: auto, cpu, cuda, cuda:1, …
-    engine: str = "embedded"  # embedded | vllm (a server legorl launches, or base_url=…)
-    engine_options: dict[str, Any] = field(default_factory=dict)  # make_engine options
-
-    def __post_init__(self) -> None:
-        self.model = checkout_path(self.model)
-        self.tasks_dir = checkout_path(self.tasks_dir)
-
-    def validate(self) -> None:
-        """Raise ``LoopConfigError`` naming the first bad field."""
-        at_least_one = [
-            "iterations",
-            "group_size",
-            "tasks_per_iteration",
-            "eval_samples",
-            "concurrency",
-            "max_turns",
-            "max_tokens",
-            "steps_per_iteration",
-        ]
-        for name in at_least_one:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise LoopConfigError(name, f"must be an integer >= 1, got {value!r}")
-        if self.eval_limit is not None and self.eval_limit < 1:
-            raise LoopConfigError("eval_limit", f"must be >= 1 (or unset), got {self.eval_limit}")
-        if not (math.isfinite(self.timeout) and self.timeout > 0):
-            raise LoopConfigError("timeout", f"must be > 0 seconds, got {self.timeout}")
-        if not (math.isfinite(self.temperature) and self.temperature > 0):
-            raise LoopConfigError("temperature", f"must be > 0, got {self.temperature}")
-        from legorl.sandbox import SANDBOXES
-        from legorl.tasks import FORMATS
-
-        if self.task_format is not None and self.task_format not in {"legorl", *FORMATS}:
-            known = ", ".join(["legorl", *FORMATS])
-            raise LoopConfigError(
-                "task_format", f"expected one of {known} (or unset), got {self.task_format!r}"
-            )
-        if self.sandbox not in SANDBOXES:
-            known = ", ".join(sorted(SANDBOXES))
-            raise LoopConfigError("sandbox", f"expected one of {known}, got {self.sandbox!r}")
-        if self.engine not in ("embedded", "vllm"):
-            raise LoopConfigError("engine", f"expected embedded or vllm, got {self.engine!r}")
-        if self.engine == "embedded" and self.engine_options:
-            raise LoopConfigError(
-                "engine_options", "the embedded engine takes --device, not --engine-opt"
-            )
-        hint = {
-            name: f"; {FIXTURES_HINT}"
-            if Path(getattr(self, name)).parts[:1] == ("fixtures",)
-            else ""
-            for name in ("model", "tasks_dir")
-        }
-        if not (Path(self.model) / "config.json").is_file():
-            problem = f"{self.model}: not a model folder (no config.json){hint['model']}"
-            raise LoopConfigError("model", problem)
-        for split in ("train", "heldout"):
-            if not (Path(self.tasks_dir) / f"{split}.jsonl").is_file():
-                problem = f"{Path(self.tasks_dir) / f'{split}.jsonl'}: no such task file"
-                raise LoopConfigError("tasks_dir", problem + hint["tasks_dir"])
-        self.train_config()
-
-    def train_config(self) -> TrainConfig:
-        """The trainer's config for every iteration: its defaults, the overrides, then the loop's
-        own settings (steps, temperature, the trained parameters, ``lr`` and ``algorithm`` when
-        given). With neither ``lr`` nor an ``lr=`` override the loop uses ``default_lr``, not the
-        trainer's 1e-6 (sized for large models: it barely moves a small one)."""
-        overridden: set[str] = set()
-        for text in self.train_overrides:
-            try:
-                key, _ = parse_override(text)
-            except ConfigError as exc:
-                raise LoopConfigError("train", str(exc)) from None
-            if key in _LOOP_OWNED:
-                flag = "--" + _LOOP_OWNED[key].replace("_", "-")
-                raise LoopConfigError(
-                    "train", f"override {text!r}: the loop sets {key}; use {flag}"
-                )
-            if key in ("lr", "algorithm") and getattr(self, key) is not None:
-                raise LoopConfigError("train", f"override {text!r}: --{key} is given too")
-            overridden.add(key)
-        try:
-            return build_config(
-                None,
-                self.train_overrides,
-                steps=self.steps_per_iteration,
-                temperature=self.temperature,
-                train_params=self.train_params,
-                lr_groups=self.lr_groups,
-                scale_only=self.resolved_scale_only(),
-                lr=(
-                    self.lr
-                    if self.lr is not None or "lr" in overridden
-                    else default_lr(self.train_params, self.resolved_scale_only())
-                ),
-                algorithm=self.algorithm,
-            )
-        except ConfigError as exc:
-            raise LoopConfigError("train", str(exc)) from None
-
-    def resolved_scale_only(self) -> str:
-        if self.scale_only is None:
-            return default_scale_only(self.train_params)
-        return self.scale_only
-
-    def to_dict(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        for name in ("model", "tasks_dir", "out"):
-            data[name] = str(data[name])
-        return data
 
 
 # --------------------------------------------------------------------------------------------
@@ -650,7 +445,6 @@ class _Runner:
         self.progress = progress or (lambda _phase, _done, _total: None)
         self.out = Path(config.out)
         self.monitor = Monitor(alerts_path=self.out / "alerts.jsonl")
-        self.limits = Limits(wall_s=config.timeout + 120)
         self.started = time.monotonic()
         self.base_seconds = state.seconds
         self.core: Any = None
@@ -668,16 +462,27 @@ class _Runner:
         return self.out / ckpt if ckpt is not None else Path(self.config.model)
 
     async def run(self) -> None:
-        from legorl.engines import make_engine
-        from legorl.rollout import inprocess_proxy
+        from legorl.rollout import EngineSpec, serve_engine
         from legorl.sandbox import make_backend
 
         c, state = self.config, self.state
-        device = c.device
-        if device == "auto":
-            import torch
+        options = dict(c.engine_options)  # vllm: reloads go through its weight-reload endpoints
+        if c.engine == "embedded":
+            device = c.device
+            if device == "auto":
+                import torch
 
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+            options = {"device": device}
+        # A continued loop starts the engine on the last checkpoint: its version is the one
+        # those weights had, not 0.
+        engine = EngineSpec(
+            name=c.engine,
+            weights=self.model_path,
+            options=options,
+            policy_version=state.policy_version,
+            log_dir=self.out,
+        )
         try:
             self.backend = make_backend(c.sandbox)
             ensure = getattr(self.backend, "ensure_images", None)
@@ -685,33 +490,19 @@ class _Runner:
                 await asyncio.to_thread(ensure, [t for ts in self.splits.values() for t in ts])
         except SandboxError as exc:
             raise LoopError(f"sandbox {c.sandbox}: {exc}") from None
-        try:
-            if c.engine == "embedded":
-                engine = make_engine("embedded", model_path=str(self.model_path), device=device)
-            else:  # vllm: reloads go through the server's weight-reload endpoints
-                options = {"log_path": str(self.out / "vllm-server.log"), **c.engine_options}
-                engine = await asyncio.to_thread(
-                    make_engine, c.engine, model_path=str(self.model_path), **options
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                self.endpoint, self.core = await stack.enter_async_context(
+                    serve_engine(c.model, engine, self.out / "eval-before" / "turns")
                 )
-        except Exception as exc:
-            raise LoopError(f"engine: cannot load {self.model_path}: {exc}") from None
-        # A continued loop starts the engine on the last checkpoint: its version is the one
-        # those weights had, not 0.
-        engine.policy_version = state.policy_version
-        try:
-            async with inprocess_proxy(c.model, engine, self.out / "eval-before" / "turns") as (
-                endpoint,
-                core,
-            ):
-                self.core, self.endpoint = core, endpoint
-                if state.eval_at(0) is None:
-                    await self._evaluate(0, self.out / "eval-before")
-                for k in range(state.finished + 1, c.iterations + 1):
-                    await self._iteration(k)
-                if state.eval_at(state.finished) is None:
-                    await self._evaluate(state.finished, self.out / "eval-after")
-        finally:
-            await engine.close()
+            except Exception as exc:
+                raise LoopError(f"engine: cannot load {self.model_path}: {exc}") from None
+            if state.eval_at(0) is None:
+                await self._evaluate(0, self.out / "eval-before")
+            for k in range(state.finished + 1, c.iterations + 1):
+                await self._iteration(k)
+            if state.eval_at(state.finished) is None:
+                await self._evaluate(state.finished, self.out / "eval-after")
 
     # ---- one phase: rollout and grading, resumable ---------------------------------------
 
@@ -722,7 +513,7 @@ class _Runner:
         gradings already there are kept. Graded trajectories in plan order, and timings."""
         from legorl.align import AlignError, turns_of
         from legorl.records import RecordError
-        from legorl.rollout import Progress, finished_ids, rollout
+        from legorl.rollout import Progress, RunContext, finished_ids, rollout_into
         from legorl.verify import verify
 
         c = self.config
@@ -739,31 +530,37 @@ class _Runner:
         if kept:
             self.log(f"{phase}: {kept} of {total} run(s) already in {traj_path}, kept")
         counts: Counter[str] = Counter()
-        with JsonlWriter(traj_path) as writer:
-            finished = kept
-            for harness, runs in batches:
-                todo = [r for r in runs if r.trajectory_id not in done]
-                if not todo:
-                    continue
-                self.progress(f"{phase}: rollout", finished, total)
-                async for traj in rollout(
-                    todo,
-                    concurrency=c.concurrency,
-                    progress=Progress(total=len(todo)),
-                    harness=harness,
-                    backend=self.backend,
-                    proxy=endpoint,
-                    tasks_dir=Path(c.tasks_dir),
-                    model=self.core.served_name,
-                    timeout=c.timeout,
-                    limits=self.limits,
-                    run_id=f"legorl-loop-{uuid.uuid4().hex[:8]}",
-                    refs_relative_to=folder,
-                ):
-                    writer.write(traj)
-                    counts[traj.status] += 1
-                    finished += 1
-                    self.progress(f"{phase}: rollout", finished, total)
+        finished = kept
+
+        def count(traj: Trajectory) -> None:
+            nonlocal finished
+            counts[traj.status] += 1
+            finished += 1
+            self.progress(f"{phase}: rollout", finished, total)
+
+        for harness, runs in batches:
+            todo = [r for r in runs if r.trajectory_id not in done]
+            if not todo:
+                continue
+            self.progress(f"{phase}: rollout", finished, total)
+            ctx = RunContext(
+                harness=harness,
+                backend=self.backend,
+                proxy=endpoint,
+                model=self.core.served_name,
+                tasks_dir=Path(c.tasks_dir),
+                timeout=c.timeout,
+                run_id=f"legorl-loop-{uuid.uuid4().hex[:8]}",
+                refs_relative_to=folder,
+            )
+            await rollout_into(
+                traj_path,
+                todo,
+                ctx,
+                concurrency=c.concurrency,
+                progress=Progress(total=len(todo)),
+                each=count,
+            )
         rollout_s = time.monotonic() - t0
         by_id = {t.trajectory_id: t for t in read_jsonl(traj_path, Trajectory, skip_bad=True)}
         missing = [tid for tid in plan if tid not in by_id]

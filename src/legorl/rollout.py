@@ -104,6 +104,24 @@ class ProxyEndpoint:
     close_session: Callable[[str], Awaitable[str | None]]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunContext:
+    """What every run of one rollout shares; the caller builds it once."""
+
+    harness: Harness
+    backend: SandboxBackend
+    proxy: ProxyEndpoint
+    model: str  # the model name the harness asks the proxy for
+    tasks_dir: Path  # task paths (repo archives, test files) are relative to it
+    timeout: float  # seconds per harness run
+    run_id: str  # names this rollout's sandboxes
+    refs_relative_to: Path  # each Trajectory's turns_ref is relative to this folder
+    limits: Limits | None = None  # the sandbox's; None: the run's timeout plus two minutes
+
+    def sandbox_limits(self) -> Limits:
+        return self.limits or Limits(wall_s=self.timeout + 120)
+
+
 @dataclass(slots=True)
 class Progress:
     """Counters the CLI shows while the stage runs."""
@@ -133,20 +151,9 @@ def _set_aside(path: Path) -> None:
         path.rename(path.with_name(f"{path.name}.orphan-{n}"))
 
 
-async def run_one(
-    run: Run,
-    *,
-    harness: Harness,
-    backend: SandboxBackend,
-    proxy: ProxyEndpoint,
-    tasks_dir: Path,
-    model: str,
-    timeout: float,
-    limits: Limits,
-    run_id: str,
-    refs_relative_to: Path,
-) -> Trajectory:
+async def run_one(run: Run, ctx: RunContext) -> Trajectory:
     """One harness run on one task; never raises for an environment failure."""
+    harness, proxy = ctx.harness, ctx.proxy
     tid = run.trajectory_id
     turns_path = proxy.turns_dir / f"{tid}.jsonl"
     timings: dict[str, float] = {}
@@ -163,19 +170,7 @@ async def run_one(
         # Set aside only once the id is this run's alone: no client can write that file since.
         _set_aside(turns_path)
         try:
-            status, patch = await _attempt(
-                run,
-                access,
-                harness=harness,
-                backend=backend,
-                tasks_dir=tasks_dir,
-                model=model,
-                timeout=timeout,
-                limits=limits,
-                run_id=run_id,
-                timings=timings,
-                evidence=evidence,
-            )
+            status, patch = await _attempt(run, access, ctx, timings, evidence)
         finally:
             truncated = await proxy.close_session(tid)
         if truncated is not None and status != "sandbox_error":
@@ -187,7 +182,7 @@ async def run_one(
     if status == "ok" and not [t for t in turns if not t.flags.aux]:
         status, evidence["error"] = "proxy_error", "the harness ended without calling the model"
     timings["total_s"] = time.monotonic() - t0
-    ref = os.path.relpath(turns_path, refs_relative_to) if turns else None
+    ref = os.path.relpath(turns_path, ctx.refs_relative_to) if turns else None
     return Trajectory(
         trajectory_id=tid,
         task_id=run.task.instance_id,
@@ -209,29 +204,23 @@ async def run_one(
 async def _attempt(
     run: Run,
     access: SessionAccess,
-    *,
-    harness: Harness,
-    backend: SandboxBackend,
-    tasks_dir: Path,
-    model: str,
-    timeout: float,
-    limits: Limits,
-    run_id: str,
+    ctx: RunContext,
     timings: dict[str, float],
     evidence: dict[str, Any],
 ) -> tuple[str, str]:
     """Start the sandbox, run the harness, take the diff: (status, patch)."""
+    harness = ctx.harness
     status, patch = "sandbox_error", ""
     t0 = time.monotonic()
     sandbox: Sandbox | None = None
     try:
         try:
-            sandbox = await backend.start(
+            sandbox = await ctx.backend.start(
                 run.task,
-                str(tasks_dir),
-                run_id=run_id,
+                str(ctx.tasks_dir),
+                run_id=ctx.run_id,
                 proxy_url=access.url,
-                limits=limits,
+                limits=ctx.sandbox_limits(),
                 harness_runtime=harness.needs_runtime,
             )
         except SandboxError as exc:
@@ -241,7 +230,7 @@ async def _attempt(
             t1 = time.monotonic()
             try:
                 outcome = await harness.run(
-                    sandbox, run.task.problem_statement, model=model, timeout=timeout
+                    sandbox, run.task.problem_statement, model=ctx.model, timeout=ctx.timeout
                 )
                 status = outcome.status
                 evidence.update(exit_code=outcome.exit_code, log_tail=outcome.log_tail)
@@ -261,10 +250,10 @@ async def _attempt(
 
 async def rollout(
     runs: list[Run],
+    ctx: RunContext,
     *,
     concurrency: int,
     progress: Progress | None = None,
-    **kwargs: Any,
 ) -> AsyncIterator[Trajectory]:
     """Run every run with at most ``concurrency`` at once; yield trajectories as they end."""
     gate = asyncio.Semaphore(max(1, concurrency))
@@ -274,7 +263,7 @@ async def rollout(
         async with gate:
             progress.running += 1
             try:
-                return await run_one(run, **kwargs)
+                return await run_one(run, ctx)
             finally:
                 progress.running -= 1
 
@@ -293,6 +282,67 @@ async def rollout(
             fut.cancel()
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def rollout_into(
+    out: Path | None,
+    runs: list[Run],
+    ctx: RunContext,
+    *,
+    concurrency: int,
+    progress: Progress | None = None,
+    monitor: Any = None,
+    each: Callable[[Trajectory], None] | None = None,
+) -> None:
+    """``rollout``, each Trajectory appended to ``out`` (None: stdout) as it ends, then shown to
+    ``monitor`` (a ``monitors.Monitor``; a strict one stops here with ``MonitorStop``) and to
+    ``each``."""
+    from legorl.records import JsonlWriter
+
+    with JsonlWriter(out) as writer:
+        async for traj in rollout(runs, ctx, concurrency=concurrency, progress=progress):
+            writer.write(traj)
+            if monitor is not None:
+                monitor.observe_trajectory(traj)
+            if each is not None:
+                each(traj)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSpec:
+    """The engine a rollout's proxy serves: ``make_engine``'s name and options."""
+
+    name: str = "embedded"  # embedded | forced | vllm | module:Class
+    weights: Path  # the folder it loads: the model, or a checkpoint of it
+    options: dict[str, Any] = field(default_factory=dict)
+    policy_version: int = 0  # the version those weights are (a continued loop's checkpoint)
+    log_dir: Path  # where a vLLM server that legorl launches writes its log
+
+
+@contextlib.asynccontextmanager
+async def serve_engine(
+    model: str | Path, engine: EngineSpec, turns_dir: Path, budget: Any = None
+) -> AsyncIterator[tuple[ProxyEndpoint, Any]]:
+    """``engine`` made, behind an in-process proxy for ``model`` (its tokenizer and served
+    name); yields (endpoint, core) and closes both. Raises what ``make_engine`` raises: a
+    ``ValueError``, ``TypeError`` or ``FileNotFoundError`` for a bad option, an ``EngineError``
+    for an engine that would not start."""
+    from legorl.engines import make_engine
+
+    options = dict(engine.options)
+    if engine.name == "vllm" and "base_url" not in options:
+        options.setdefault("log_path", str(engine.log_dir / "vllm-server.log"))
+    # In a thread: loading weights, or waiting for a vLLM server, must not stall the event loop.
+    eng = await asyncio.to_thread(
+        make_engine, engine.name, model_path=str(engine.weights), **options
+    )
+    if engine.policy_version:
+        eng.policy_version = engine.policy_version
+    try:
+        async with inprocess_proxy(model, eng, turns_dir, budget) as served:
+            yield served
+    finally:
+        await eng.close()
 
 
 @contextlib.asynccontextmanager

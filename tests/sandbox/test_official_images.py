@@ -32,7 +32,7 @@ from legorl.engines import make_engine
 from legorl.harnesses.testing import ScriptedHarness
 from legorl.protocols import Limits
 from legorl.records import Trajectory
-from legorl.rollout import Run, inprocess_proxy, run_one
+from legorl.rollout import Run, RunContext, inprocess_proxy, run_one
 from legorl.sandbox import make_backend
 from legorl.sandbox.layers import plan
 from legorl.verify import VerifyConfig, grade
@@ -161,15 +161,17 @@ async def _rollout(backend: Any, t: Any, tmp: Path) -> Trajectory:
         async with inprocess_proxy(MODEL, engine, tmp / "turns") as (endpoint, _):
             return await run_one(
                 Run(task=t, sample_index=0),
-                harness=agent,
-                backend=backend,
-                proxy=endpoint,
-                tasks_dir=Path("."),
-                model="tiny",
-                timeout=300,
-                limits=Limits(wall_s=400),
-                run_id=run_id(),
-                refs_relative_to=tmp,
+                RunContext(
+                    harness=agent,
+                    backend=backend,
+                    proxy=endpoint,
+                    tasks_dir=Path("."),
+                    model="tiny",
+                    timeout=300,
+                    limits=Limits(wall_s=400),
+                    run_id=run_id(),
+                    refs_relative_to=tmp,
+                ),
             )
     finally:
         await engine.close()

@@ -346,7 +346,7 @@ def test_the_secret_stays_out_of_what_the_run_records(local_backend: Any, tmp_pa
     from legorl.harnesses.testing import ScriptedHarness
     from legorl.protocols import Limits
     from legorl.records import to_json
-    from legorl.rollout import Run, run_one
+    from legorl.rollout import Run, RunContext, run_one
 
     harness = ScriptedHarness(
         command=f"echo \"base url: $LEGORL_PROXY_URL\"; python3 -c '{CALL_OWN_ROUTE}'"
@@ -368,15 +368,17 @@ def test_the_secret_stays_out_of_what_the_run_records(local_backend: Any, tmp_pa
                 endpoint.open_session = open_and_note
                 traj = await run_one(
                     Run(task=task(), sample_index=0),
-                    harness=harness,
-                    backend=local_backend,
-                    proxy=endpoint,
-                    tasks_dir=TASKS_DIR,
-                    model="tiny",
-                    timeout=120,
-                    limits=Limits(wall_s=300),
-                    run_id=run_id(),
-                    refs_relative_to=tmp_path,
+                    RunContext(
+                        harness=harness,
+                        backend=local_backend,
+                        proxy=endpoint,
+                        tasks_dir=TASKS_DIR,
+                        model="tiny",
+                        timeout=120,
+                        limits=Limits(wall_s=300),
+                        run_id=run_id(),
+                        refs_relative_to=tmp_path,
+                    ),
                 )
                 assert sorted(core.sessions) == []  # closed with the run
                 return traj

@@ -39,7 +39,7 @@ from legorl.engines import make_engine
 from legorl.harnesses import MiniHarness
 from legorl.protocols import Limits, SandboxBackend
 from legorl.records import Task, Trajectory, Turn, read_jsonl
-from legorl.rollout import Run, inprocess_proxy, run_one
+from legorl.rollout import Run, RunContext, inprocess_proxy, run_one
 from legorl.verify import VerifyConfig, grade, runner, tree
 from legorl.verify.redteam import HACKS, Hack, honest, markdown_table, unittest_variant
 
@@ -193,15 +193,17 @@ async def _rollout(
             try:
                 traj = await run_one(
                     Run(task=task, sample_index=0),
-                    harness=harness,
-                    backend=backend,
-                    proxy=endpoint,
-                    tasks_dir=TASKS,
-                    model="tiny",
-                    timeout=120,
-                    limits=Limits(wall_s=300),
-                    run_id=run_id,
-                    refs_relative_to=tmp,
+                    RunContext(
+                        harness=harness,
+                        backend=backend,
+                        proxy=endpoint,
+                        tasks_dir=TASKS,
+                        model="tiny",
+                        timeout=120,
+                        limits=Limits(wall_s=300),
+                        run_id=run_id,
+                        refs_relative_to=tmp,
+                    ),
                 )
             finally:
                 if sibling is not None:

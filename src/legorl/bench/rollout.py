@@ -17,40 +17,32 @@ from legorl.bench.proxy import _model_dir
 
 
 async def _measure(concurrency: int, n_runs: int, tasks_file: Path, work: Path) -> dict[str, Any]:
-    from legorl.engines import make_engine
     from legorl.harnesses import MiniHarness
     from legorl.protocols import Limits
     from legorl.records import Task, read_jsonl
-    from legorl.rollout import Progress, inprocess_proxy, plan_runs, rollout
+    from legorl.rollout import EngineSpec, Progress, RunContext, plan_runs, rollout, serve_engine
     from legorl.sandbox import make_backend
 
     tasks = list(read_jsonl(tasks_file, Task))
     runs = plan_runs(tasks, 1, n_runs, set())
-    engine = make_engine("embedded", model_path=str(_model_dir()))
+    engine = EngineSpec(weights=_model_dir(), log_dir=work)
     progress = Progress(total=len(runs))
-    start = time.perf_counter()
-    try:
-        async with inprocess_proxy(_model_dir(), engine, work / f"turns-{concurrency}") as (
-            endpoint,
-            core,
-        ):
-            async for _ in rollout(
-                runs,
-                proxy=endpoint,
-                model=core.served_name,
-                concurrency=concurrency,
-                progress=progress,
-                harness=MiniHarness(max_turns=3, max_tokens=96),
-                backend=make_backend("local"),
-                tasks_dir=tasks_file.parent,
-                timeout=600,
-                limits=Limits(wall_s=900),
-                run_id=f"legorl-bench-{concurrency}",
-                refs_relative_to=work,
-            ):
-                pass
-    finally:
-        await engine.close()
+    turns = work / f"turns-{concurrency}"
+    async with serve_engine(_model_dir(), engine, turns) as (endpoint, core):
+        ctx = RunContext(
+            harness=MiniHarness(max_turns=3, max_tokens=96),
+            backend=make_backend("local"),
+            proxy=endpoint,
+            model=core.served_name,
+            tasks_dir=tasks_file.parent,
+            timeout=600,
+            run_id=f"legorl-bench-{concurrency}",
+            refs_relative_to=work,
+            limits=Limits(wall_s=900),
+        )
+        start = time.perf_counter()  # the engine is loaded: the figure is rollouts alone
+        async for _ in rollout(runs, ctx, concurrency=concurrency, progress=progress):
+            pass
     elapsed = time.perf_counter() - start
     return {
         "runs": len(runs),

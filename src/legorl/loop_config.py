@@ -1,0 +1,231 @@
+"""The loop's options: ``LoopConfig``, its defaults (the ``legorl loop`` flags' defaults too) and
+their checks. Importing it imports nothing heavy, so the CLI reads the defaults at startup.
+
+    from legorl.loop_config import LoopConfig
+    config = LoopConfig(iterations=8, group_size=8); config.validate()
+
+The loop itself is ``legorl.loop.run_loop``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from legorl.protocols import ConfigError
+
+if TYPE_CHECKING:
+    from legorl.train.config import TrainConfig
+
+#: Train config keys the loop sets from its own options.
+_LOOP_OWNED = {
+    "steps": "steps_per_iteration",
+    "temperature": "temperature",
+    "train_params": "train_params",
+    "lr_groups": "lr_groups",
+    "scale_only": "scale_only",
+}
+
+
+class LoopConfigError(ConfigError):
+    """A bad loop option; ``field`` is the LoopConfig field (``train``: a train config key)."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+        self.problem = problem
+
+
+# The final RMSNorm's gains, the rest frozen: a step of 64 episodes is too little signal for
+# every parameter (measured in docs/experiments.md, "One step side by side").
+LOOP_TRAIN_PARAMS = r"^model\.norm\."
+# The default lr: those gains through one common factor (scale_only), moved about lr a step.
+LOOP_LR_SCALE = 0.1
+# The lr of those gains one by one (--scale-only ''), and of any other train_params
+# (docs/experiments.md, "The final norm's gains one by one" and "Earlier defaults").
+LOOP_LR = 0.4
+LOOP_LR_ALL = 1e-4
+
+
+# The default model and tasks live in the source checkout's fixtures/, not in the wheel
+# (tiny-agent alone is 13 MB): a checkout finds them from any folder, a wheel says where to look.
+DEFAULT_MODEL = Path("fixtures/models/tiny-agent")
+DEFAULT_TASKS = Path("fixtures/tasks-generated")
+FIXTURES_HINT = (
+    "the default model and tasks are in the source repository's fixtures/, not in the wheel: "
+    "run from a clone of the repository, or give --model DIR and --tasks-dir DIR"
+)
+_CHECKOUT = Path(__file__).resolve().parents[2]  # the repository root when installed editable
+
+
+def checkout_path(path: Path) -> Path:
+    """``path``; or, when it is a relative ``fixtures/…`` path missing from the current folder,
+    the same path in the source checkout this module runs from, if that has it."""
+    path = Path(path)
+    if path.is_absolute() or path.exists() or path.parts[:1] != ("fixtures",):
+        return path
+    there = _CHECKOUT / path
+    return there if there.exists() else path
+
+
+def default_scale_only(train_params: str) -> str:
+    """What the loop trains as one factor when ``--scale-only`` is not given: the final norm
+    with the default ``train_params``, else nothing."""
+    return LOOP_TRAIN_PARAMS if train_params == LOOP_TRAIN_PARAMS else ""
+
+
+def default_lr(train_params: str, scale_only: str) -> float:
+    """The loop's learning rate when neither ``--lr`` nor an ``lr=`` override is given, for the
+    trained parameters and (resolved) ``scale_only``."""
+    if train_params != LOOP_TRAIN_PARAMS:
+        return LOOP_LR_ALL
+    return LOOP_LR_SCALE if scale_only else LOOP_LR
+
+
+@dataclass(kw_only=True)
+class LoopConfig:
+    model: Path = DEFAULT_MODEL
+    tasks_dir: Path = DEFAULT_TASKS  # holds train.jsonl and heldout.jsonl
+    task_format: str | None = (
+        None  # the set their rows come from (legorl.tasks.FORMATS); None: detected
+    )
+    out: Path = Path("runs/loop")
+    iterations: int = 16
+    group_size: int = 4  # samples per task in a training iteration
+    tasks_per_iteration: int = 16
+    eval_samples: int = 4  # seeded samples per held-out task
+    eval_limit: int | None = None  # the first N held-out tasks; None: all
+    sandbox: str = "local"
+    # runs (and gradings) at once; more than the cores, as the engine batches their calls
+    concurrency: int = 4
+    max_turns: int = 6
+    max_tokens: int = 256  # per model call
+    temperature: float = 1.0  # sampling, and the trainer's log-prob temperature
+    seed: int = 0  # task shuffle; evaluation seeds are seed + sample index
+    steps_per_iteration: int = 1
+    # parameters trained (a regular expression over their names); "" = all of them
+    train_params: str = LOOP_TRAIN_PARAMS
+    lr: float | None = None  # None: an ``lr=`` override, else default_lr(...)
+    # other lrs for some of the trained parameters (the trainer's lr_groups: REGEX=LR entries)
+    lr_groups: str = ""
+    # of those, the ones trained through one scalar factor each (the trainer's scale_only);
+    # None: default_scale_only(train_params), the final norm with the default train_params
+    scale_only: str | None = None
+    algorithm: str | None = None  # None: the trainer's default
+    train_overrides: list[str] = field(default_factory=list)  # TrainConfig key=value
+    timeout: float = 300.0  # seconds per harness run
+    device: str = "auto"  # the engine's: auto, cpu, cuda, cuda:1, …
+    engine: str = "embedded"  # embedded | vllm (a server legorl launches, or base_url=…)
+    engine_options: dict[str, Any] = field(default_factory=dict)  # make_engine options
+
+    def __post_init__(self) -> None:
+        self.model = checkout_path(self.model)
+        self.tasks_dir = checkout_path(self.tasks_dir)
+
+    def validate(self) -> None:
+        """Raise ``LoopConfigError`` naming the first bad field."""
+        at_least_one = [
+            "iterations",
+            "group_size",
+            "tasks_per_iteration",
+            "eval_samples",
+            "concurrency",
+            "max_turns",
+            "max_tokens",
+            "steps_per_iteration",
+        ]
+        for name in at_least_one:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise LoopConfigError(name, f"must be an integer >= 1, got {value!r}")
+        if self.eval_limit is not None and self.eval_limit < 1:
+            raise LoopConfigError("eval_limit", f"must be >= 1 (or unset), got {self.eval_limit}")
+        if not (math.isfinite(self.timeout) and self.timeout > 0):
+            raise LoopConfigError("timeout", f"must be > 0 seconds, got {self.timeout}")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise LoopConfigError("temperature", f"must be > 0, got {self.temperature}")
+        from legorl.sandbox import SANDBOXES
+        from legorl.tasks import FORMATS
+
+        if self.task_format is not None and self.task_format not in {"legorl", *FORMATS}:
+            known = ", ".join(["legorl", *FORMATS])
+            raise LoopConfigError(
+                "task_format", f"expected one of {known} (or unset), got {self.task_format!r}"
+            )
+        if self.sandbox not in SANDBOXES:
+            known = ", ".join(sorted(SANDBOXES))
+            raise LoopConfigError("sandbox", f"expected one of {known}, got {self.sandbox!r}")
+        if self.engine not in ("embedded", "vllm"):
+            raise LoopConfigError("engine", f"expected embedded or vllm, got {self.engine!r}")
+        if self.engine == "embedded" and self.engine_options:
+            raise LoopConfigError(
+                "engine_options", "the embedded engine takes --device, not --engine-opt"
+            )
+        hint = {
+            name: f"; {FIXTURES_HINT}"
+            if Path(getattr(self, name)).parts[:1] == ("fixtures",)
+            else ""
+            for name in ("model", "tasks_dir")
+        }
+        if not (Path(self.model) / "config.json").is_file():
+            problem = f"{self.model}: not a model folder (no config.json){hint['model']}"
+            raise LoopConfigError("model", problem)
+        for split in ("train", "heldout"):
+            if not (Path(self.tasks_dir) / f"{split}.jsonl").is_file():
+                problem = f"{Path(self.tasks_dir) / f'{split}.jsonl'}: no such task file"
+                raise LoopConfigError("tasks_dir", problem + hint["tasks_dir"])
+        self.train_config()
+
+    def train_config(self) -> TrainConfig:
+        """The trainer's config for every iteration: its defaults, the overrides, then the loop's
+        own settings (steps, temperature, the trained parameters, ``lr`` and ``algorithm`` when
+        given). With neither ``lr`` nor an ``lr=`` override the loop uses ``default_lr``, not the
+        trainer's 1e-6 (sized for large models: it barely moves a small one)."""
+        from legorl.train.config import build_config, parse_override
+
+        overridden: set[str] = set()
+        for text in self.train_overrides:
+            try:
+                key, _ = parse_override(text)
+            except ConfigError as exc:
+                raise LoopConfigError("train", str(exc)) from None
+            if key in _LOOP_OWNED:
+                flag = "--" + _LOOP_OWNED[key].replace("_", "-")
+                raise LoopConfigError(
+                    "train", f"override {text!r}: the loop sets {key}; use {flag}"
+                )
+            if key in ("lr", "algorithm") and getattr(self, key) is not None:
+                raise LoopConfigError("train", f"override {text!r}: --{key} is given too")
+            overridden.add(key)
+        try:
+            return build_config(
+                None,
+                self.train_overrides,
+                steps=self.steps_per_iteration,
+                temperature=self.temperature,
+                train_params=self.train_params,
+                lr_groups=self.lr_groups,
+                scale_only=self.resolved_scale_only(),
+                lr=(
+                    self.lr
+                    if self.lr is not None or "lr" in overridden
+                    else default_lr(self.train_params, self.resolved_scale_only())
+                ),
+                algorithm=self.algorithm,
+            )
+        except ConfigError as exc:
+            raise LoopConfigError("train", str(exc)) from None
+
+    def resolved_scale_only(self) -> str:
+        if self.scale_only is None:
+            return default_scale_only(self.train_params)
+        return self.scale_only
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        for name in ("model", "tasks_dir", "out"):
+            data[name] = str(data[name])
+        return data
