@@ -6,8 +6,6 @@ installed in a fresh venv and run outside the repository, says in one line where
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import subprocess
 import sys
 import sysconfig
@@ -16,8 +14,6 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
-
-from legorl.loop_config import LoopConfig
 
 AGENT = ROOT / "fixtures" / "models" / "tiny-agent"
 TASKS = ROOT / "fixtures" / "tasks-generated"
@@ -103,34 +99,3 @@ def test_the_wheel_says_in_one_line_where_the_defaults_are(
         timeout=300,
     )
     assert given.returncode == 0, given.stderr
-
-
-def test_the_loop_flags_defaults_are_the_configs() -> None:
-    """Each LoopConfig field with a default is a `legorl loop` flag with that default, and
-    `--help` shows it: the CLI restates none of them."""
-    import typer.main
-    from legorl.cli.main import app
-
-    params = {p.name: p for p in typer.main.get_command(app).commands["loop"].params}  # type: ignore[attr-defined]
-    fields = [f for f in dataclasses.fields(LoopConfig) if f.default is not dataclasses.MISSING]
-    assert len(fields) > 20
-    for f in fields:
-        assert f.name in params, f"LoopConfig.{f.name} has no flag"
-        assert params[f.name].default == f.default, f.name
-    # What the user reads: the flag and its default on one line of the help.
-    help_text = subprocess.run(
-        [sys.executable, "-m", "legorl.cli.main", "loop", "--help"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "COLUMNS": "200", "NO_COLOR": "1"},
-        timeout=120,
-    ).stdout
-    shown = {
-        "--iterations": LoopConfig.iterations,
-        "--group-size": LoopConfig.group_size,
-        "--timeout": LoopConfig.timeout,
-        "--model": LoopConfig.model,
-    }
-    for flag, value in shown.items():
-        line = next(ln for ln in help_text.splitlines() if f"{flag} " in ln)
-        assert f"[default: {value}]" in line, line

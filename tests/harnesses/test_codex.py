@@ -142,7 +142,7 @@ def test_an_http_error_from_the_proxy_is_a_proxy_error(tmp_path: Path) -> None:
 
 def _stream_that_fails() -> bytes:
     """The proxy's own Responses stream for an engine that fails after the headers went out."""
-    from legorl.proxy.chat import ApiError, ChatRequest, Event, TextDelta
+    from legorl.proxy.chat import ApiError, ChatRequest, Event, StreamHead, TextDelta
     from legorl.proxy.wire import responses
 
     async def events() -> AsyncIterator[Event]:
@@ -151,7 +151,9 @@ def _stream_that_fails() -> bytes:
 
     async def collect() -> bytes:
         req = ChatRequest(api="responses", model="tiny", messages=[], stream=True)
-        stream = responses.stream(events(), req, id="resp_1", model="t", created=0, prompt_tokens=1)
+        stream = responses.stream(
+            events(), req, StreamHead(id="resp_1", created=0, prompt_tokens=1)
+        )
         return b"".join([chunk async for chunk in stream])
 
     return asyncio.run(collect())

@@ -18,6 +18,7 @@ from legorl.proxy.chat import (
     Event,
     Finish,
     Message,
+    StreamHead,
     TextDelta,
     ThinkingDelta,
     ToolCall,
@@ -300,7 +301,7 @@ def _sse(events: list[Event], fail: ApiError | None = None) -> list[tuple[str, A
 
     async def run() -> bytes:
         chunks = anthropic.stream(
-            _events(events, fail), req, id="msg_1", model="tiny", created=0, prompt_tokens=7
+            _events(events, fail), req, StreamHead(id="msg_1", created=0, prompt_tokens=7)
         )
         return b"".join([c async for c in chunks])
 

@@ -22,6 +22,7 @@ from legorl.proxy.chat import (
     Event,
     Finish,
     Message,
+    StreamHead,
     TextDelta,
     ThinkingDelta,
     ToolCall,
@@ -312,7 +313,7 @@ async def _events(events: list[Event], fail: ApiError | None = None) -> AsyncIte
 
 def _chunks(events: AsyncIterator[Event]) -> list[dict[str, Any]]:
     async def collect() -> list[bytes]:
-        stream = gemini.stream(events, _req(), id="r2", model="m", created=0, prompt_tokens=5)
+        stream = gemini.stream(events, _req(), StreamHead(id="r2", created=0, prompt_tokens=5))
         return [c async for c in stream]
 
     raw = b"".join(asyncio.run(collect()))

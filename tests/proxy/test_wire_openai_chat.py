@@ -19,6 +19,7 @@ from legorl.proxy.chat import (
     Event,
     Finish,
     Message,
+    StreamHead,
     TextDelta,
     ToolCall,
     Usage,
@@ -272,7 +273,7 @@ async def _events(events: list[Event], fail: ApiError | None = None) -> AsyncIte
 def _frames(req: ChatRequest, events: list[Event], fail: ApiError | None = None) -> list[str]:
     async def run() -> bytes:
         chunks = openai_chat.stream(
-            _events(events, fail), req, id="chatcmpl-1", model="tiny", created=5, prompt_tokens=4
+            _events(events, fail), req, StreamHead(id="chatcmpl-1", created=5, prompt_tokens=4)
         )
         return b"".join([c async for c in chunks])
 

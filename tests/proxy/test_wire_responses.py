@@ -19,6 +19,7 @@ from legorl.proxy.chat import (
     Event,
     Finish,
     Message,
+    StreamHead,
     TextDelta,
     ToolCall,
     ToolCallEvent,
@@ -248,10 +249,7 @@ def test_stream_error_after_headers_is_an_error_event() -> None:
         chunks = responses.stream(
             _events([TextDelta("par")], ApiError(500, "engine died")),
             req,
-            id="resp_1",
-            model="tiny",
-            created=0,
-            prompt_tokens=1,
+            StreamHead(id="resp_1", created=0, prompt_tokens=1),
         )
         return b"".join([c async for c in chunks])
 
@@ -373,7 +371,7 @@ def test_custom_tool_calls_are_free_text_both_ways() -> None:
             yield c.finish
 
         chunks = responses.stream(
-            events(), req, id="resp_abc", model="t", created=0, prompt_tokens=3
+            events(), req, StreamHead(id="resp_abc", created=0, prompt_tokens=3)
         )
         frames = b"".join([ch async for ch in chunks]).decode().split("\n\n")
         return [json.loads(f.split("\ndata: ", 1)[1]) for f in frames if f]

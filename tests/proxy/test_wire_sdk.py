@@ -28,6 +28,7 @@ from legorl.proxy.chat import (
     Completion,
     Event,
     Finish,
+    StreamHead,
     TextDelta,
     ThinkingDelta,
     ToolCall,
@@ -156,10 +157,7 @@ class _Handler(BaseHTTPRequestHandler):
             async for chunk in wire.stream(
                 _aiter(replay.events),
                 req,
-                id=rid,
-                model="tiny-qwen3",
-                created=CREATED,
-                prompt_tokens=USAGE.prompt_tokens,
+                StreamHead(id=rid, created=CREATED, prompt_tokens=USAGE.prompt_tokens),
             ):
                 self.wfile.write(chunk)
                 self.wfile.flush()
@@ -577,7 +575,7 @@ def test_stream_yields_as_events_arrive(api: ApiName) -> None:
 
         req = ChatRequest(api=api, model="m", messages=[], stream=True)
         out = WIRES[api].stream(
-            events(), req, id="resp_1", model="m", created=CREATED, prompt_tokens=3
+            events(), req, StreamHead(id="resp_1", created=CREATED, prompt_tokens=3)
         )
         await queue.put(TextDelta("first-piece"))
         seen = b""

@@ -144,6 +144,15 @@ class Finish:
 Event = ThinkingDelta | TextDelta | ToolCallEvent | Finish
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamHead:
+    """What a streamed answer says about itself before its first event."""
+
+    id: str  # the response id, in the API's style (``wire.response_id()``)
+    created: int  # Unix time the call arrived
+    prompt_tokens: int
+
+
 @dataclass(slots=True, kw_only=True)
 class Completion:
     """The whole answer, for non-streaming responses (the events, collected)."""

@@ -53,6 +53,7 @@ from legorl.proxy.chat import (
     Event,
     Finish,
     FinishReason,
+    StreamHead,
     TextDelta,
     Usage,
 )
@@ -409,14 +410,8 @@ class ProxyCore:
             rid = wire.response_id()
             created = int(arrived)
             if req.stream:
-                stream = wire.stream(
-                    events,
-                    req,
-                    id=rid,
-                    model=req.model,
-                    created=created,
-                    prompt_tokens=len(prompt),
-                )
+                head = StreamHead(id=rid, created=created, prompt_tokens=len(prompt))
+                stream = wire.stream(events, req, head)
                 return Response(
                     200,
                     stream,

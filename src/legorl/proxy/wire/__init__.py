@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from legorl.proxy.chat import ApiError, ApiName, ChatRequest, Completion, Event
+from legorl.proxy.chat import ApiError, ApiName, ChatRequest, Completion, Event, StreamHead
 from legorl.proxy.wire import anthropic, gemini, openai_chat, responses
 
 
@@ -40,14 +40,7 @@ class WireModule(Protocol):
         ...
 
     def stream(
-        self,
-        events: AsyncIterator[Event],
-        req: ChatRequest,
-        *,
-        id: str,
-        model: str,
-        created: int,
-        prompt_tokens: int,
+        self, events: AsyncIterator[Event], req: ChatRequest, head: StreamHead
     ) -> AsyncIterator[bytes]:
         """SSE bytes, yielded as the events arrive."""
         ...

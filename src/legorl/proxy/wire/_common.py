@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import secrets
 import string
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -147,6 +148,15 @@ def random_id(prefix: str, length: int) -> str:
     return prefix + secrets.token_hex((length + 1) // 2)[:length]
 
 
+def id_style(prefix: str, length: int) -> Callable[[], str]:
+    """A maker of fresh ids in one API's style: ``prefix`` and ``length`` random characters."""
+
+    def make() -> str:
+        return random_id(prefix, length)
+
+    return make
+
+
 def dumps(value: Any) -> bytes:
     return orjson.dumps(value)
 
@@ -170,3 +180,8 @@ def openai_error(err: ApiError) -> JSONObject:
     if err.status >= 500 and kind == "invalid_request_error":
         kind = "server_error"
     return {"error": {"message": err.message, "type": kind, "param": err.param, "code": err.code}}
+
+
+def openai_error_body(err: ApiError) -> bytes:
+    """OpenAI's error body (Chat and Responses share it)."""
+    return orjson.dumps(openai_error(err))

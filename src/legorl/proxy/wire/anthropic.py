@@ -32,6 +32,7 @@ from legorl.proxy.chat import (
     Event,
     Finish,
     Message,
+    StreamHead,
     TextDelta,
     ThinkingDelta,
     Tool,
@@ -46,6 +47,7 @@ from legorl.proxy.wire._common import (
     bad,
     dumps,
     function_choice,
+    id_style,
     load_object,
     missing,
     opt_bool,
@@ -54,7 +56,6 @@ from legorl.proxy.wire._common import (
     opt_number,
     opt_object,
     opt_str,
-    random_id,
     req_list,
     req_str,
     req_value,
@@ -284,12 +285,8 @@ def _tool_choice(value: JSONObject | None) -> Any:
 # ---- Responses ----------------------------------------------------------------------------
 
 
-def tool_call_id() -> str:
-    return random_id("toolu_01", 22)
-
-
-def response_id() -> str:
-    return random_id("msg_01", 22)
+tool_call_id = id_style("toolu_01", 22)
+response_id = id_style("msg_01", 22)
 
 
 def error_body(err: ApiError) -> bytes:
@@ -337,25 +334,19 @@ def response_body(c: Completion, req: ChatRequest) -> bytes:
 
 
 async def stream(
-    events: AsyncIterator[Event],
-    req: ChatRequest,
-    *,
-    id: str,
-    model: str,
-    created: int,
-    prompt_tokens: int,
+    events: AsyncIterator[Event], req: ChatRequest, head: StreamHead
 ) -> AsyncIterator[bytes]:
-    """The Messages SSE sequence. ``model`` (the engine's) is not echoed: harnesses get back the
-    name they asked for; ``created`` is not part of this API."""
+    """The Messages SSE sequence. The model is the one the harness asked for (``req.model``);
+    ``head.created`` is not part of this API."""
     message: JSONObject = {
-        "id": id,
+        "id": head.id,
         "type": "message",
         "role": "assistant",
         "model": req.model,
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
-        "usage": _usage(prompt_tokens, 0),
+        "usage": _usage(head.prompt_tokens, 0),
     }
     yield _event("message_start", {"message": message})
     yield _event("ping", {})

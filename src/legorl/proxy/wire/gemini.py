@@ -35,6 +35,7 @@ from legorl.proxy.chat import (
     Event,
     Finish,
     Message,
+    StreamHead,
     TextDelta,
     ThinkingDelta,
     Tool,
@@ -49,6 +50,7 @@ from legorl.proxy.wire._common import (
     bad,
     dumps,
     function_choice,
+    id_style,
     load_object,
     opt_bool,
     opt_int,
@@ -56,7 +58,6 @@ from legorl.proxy.wire._common import (
     opt_number,
     opt_object,
     opt_str,
-    random_id,
     req_list,
     req_str,
     sse,
@@ -325,12 +326,8 @@ def _tool_choice(value: JSONObject | None) -> Any:
 # ---- Responses ----------------------------------------------------------------------------
 
 
-def tool_call_id() -> str:
-    return random_id("call_", 24)
-
-
-def response_id() -> str:
-    return random_id("", 24)
+tool_call_id = id_style("call_", 24)
+response_id = id_style("", 24)
 
 
 def error_body(err: ApiError) -> bytes:
@@ -355,15 +352,9 @@ def response_body(c: Completion, req: ChatRequest) -> bytes:
 
 
 async def stream(
-    events: AsyncIterator[Event],
-    req: ChatRequest,
-    *,
-    id: str,
-    model: str,
-    created: int,
-    prompt_tokens: int,
+    events: AsyncIterator[Event], req: ChatRequest, head: StreamHead
 ) -> AsyncIterator[bytes]:
-    """SSE chunks (``alt=sse``). ``model`` and ``created`` are not part of this API's chunks:
+    """SSE chunks (``alt=sse``). ``head.created`` is not part of this API's chunks;
     ``modelVersion`` echoes the name in the path."""
     try:
         async for ev in events:
@@ -373,11 +364,11 @@ async def stream(
                 part: JSONObject = {"text": ev.text}
                 if isinstance(ev, ThinkingDelta):
                     part["thought"] = True
-                yield sse(_chunk([part], req, id, None))
+                yield sse(_chunk([part], req, head.id, None))
             elif isinstance(ev, ToolCallEvent):
-                yield sse(_chunk([_call_part(ev.call)], req, id, None))
+                yield sse(_chunk([_call_part(ev.call)], req, head.id, None))
             else:
-                yield sse(_chunk([], req, id, ev))
+                yield sse(_chunk([], req, head.id, ev))
     except ApiError as err:
         # Headers are gone already: the error travels as a chunk of its own, as Google's does.
         yield sse(_error_dict(err))

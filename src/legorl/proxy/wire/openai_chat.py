@@ -22,6 +22,7 @@ from legorl.proxy.chat import (
     Finish,
     Message,
     Role,
+    StreamHead,
     TextDelta,
     ThinkingDelta,
     Tool,
@@ -37,16 +38,17 @@ from legorl.proxy.wire._common import (
     bad,
     dumps,
     function_choice,
+    id_style,
     load_object,
     missing,
     openai_error,
+    openai_error_body,
     opt_bool,
     opt_int,
     opt_list,
     opt_number,
     opt_object,
     opt_str,
-    random_id,
     req_list,
     req_str,
     req_value,
@@ -197,16 +199,9 @@ def _tool_choice(value: Any) -> Any:
 # ---- Responses ----------------------------------------------------------------------------
 
 
-def tool_call_id() -> str:
-    return random_id("call_", 24)
-
-
-def response_id() -> str:
-    return random_id("chatcmpl-", 29)
-
-
-def error_body(err: ApiError) -> bytes:
-    return dumps(openai_error(err))
+tool_call_id = id_style("call_", 24)
+response_id = id_style("chatcmpl-", 29)
+error_body = openai_error_body
 
 
 def response_body(c: Completion, req: ChatRequest) -> bytes:
@@ -238,26 +233,20 @@ def response_body(c: Completion, req: ChatRequest) -> bytes:
 
 
 async def stream(
-    events: AsyncIterator[Event],
-    req: ChatRequest,
-    *,
-    id: str,
-    model: str,
-    created: int,
-    prompt_tokens: int,
+    events: AsyncIterator[Event], req: ChatRequest, head: StreamHead
 ) -> AsyncIterator[bytes]:
-    """``chat.completion.chunk`` SSE. ``model`` (the engine's) is not echoed: harnesses get back
-    the name they asked for. ``prompt_tokens`` is unused: usage comes with ``Finish``."""
-    head: JSONObject = {
-        "id": id,
+    """``chat.completion.chunk`` SSE, with the model name the harness asked for (``req.model``).
+    ``head.prompt_tokens`` is unused: usage comes with ``Finish``."""
+    top: JSONObject = {
+        "id": head.id,
         "object": "chat.completion.chunk",
-        "created": created,
+        "created": head.created,
         "model": req.model,
     }
 
     def chunk(delta: JSONObject, finish_reason: str | None = None) -> bytes:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        data = {**head, "choices": [choice]}
+        data = {**top, "choices": [choice]}
         if req.include_usage:
             data["usage"] = None
         return sse(data)
@@ -284,7 +273,7 @@ async def stream(
         raise RuntimeError("event stream ended without Finish")
     yield chunk({}, finish.reason)
     if req.include_usage:
-        yield sse({**head, "choices": [], "usage": _usage(finish.usage)})
+        yield sse({**top, "choices": [], "usage": _usage(finish.usage)})
     yield b"data: [DONE]\n\n"
 
 

@@ -34,6 +34,7 @@ from legorl.proxy.chat import (
     Finish,
     Message,
     Role,
+    StreamHead,
     TextDelta,
     ThinkingDelta,
     Tool,
@@ -49,15 +50,15 @@ from legorl.proxy.wire._common import (
     bad,
     dumps,
     function_choice,
+    id_style,
     load_object,
     missing,
-    openai_error,
+    openai_error_body,
     opt_bool,
     opt_int,
     opt_list,
     opt_number,
     opt_str,
-    random_id,
     req_str,
     req_value,
     sse,
@@ -274,16 +275,9 @@ def _tool_choice(value: Any) -> Any:
 # ---- Responses ----------------------------------------------------------------------------
 
 
-def tool_call_id() -> str:
-    return random_id("call_", 24)
-
-
-def response_id() -> str:
-    return random_id("resp_", 32)
-
-
-def error_body(err: ApiError) -> bytes:
-    return dumps(openai_error(err))
+tool_call_id = id_style("call_", 24)
+response_id = id_style("resp_", 32)
+error_body = openai_error_body
 
 
 def response_body(c: Completion, req: ChatRequest) -> bytes:
@@ -312,22 +306,19 @@ def response_body(c: Completion, req: ChatRequest) -> bytes:
 
 
 async def stream(
-    events: AsyncIterator[Event],
-    req: ChatRequest,
-    *,
-    id: str,
-    model: str,
-    created: int,
-    prompt_tokens: int,
+    events: AsyncIterator[Event], req: ChatRequest, head: StreamHead
 ) -> AsyncIterator[bytes]:
-    """Responses SSE events. ``model`` (the engine's) is not echoed: harnesses get back the name
-    they asked for. ``prompt_tokens`` is unused: usage comes with ``Finish``."""
+    """Responses SSE events, with the model name the harness asked for (``req.model``).
+    ``head.prompt_tokens`` is unused: usage comes with ``Finish``."""
+    rid = head.id
     sequence = itertools.count()
 
     def emit(name: str, data: JSONObject) -> bytes:
         return sse({"type": name, "sequence_number": next(sequence), **data}, name)
 
-    start = _response(req, id=id, created=created, status="in_progress", output=[], usage=None)
+    start = _response(
+        req, id=rid, created=head.created, status="in_progress", output=[], usage=None
+    )
     yield emit("response.created", {"response": start})
     yield emit("response.in_progress", {"response": start})
     output: list[JSONObject] = []  # finished items, for the final response object
@@ -369,11 +360,11 @@ async def stream(
                         yield chunk
                     open_kind, parts = kind, []
                     if kind == "reasoning":
-                        item_id = _item_id("rs", id, len(output))
+                        item_id = _item_id("rs", rid, len(output))
                         item: JSONObject = {**_reasoning_item(item_id, ""), "content": []}
                         part: JSONObject = {"type": "reasoning_text", "text": ""}
                     else:
-                        item_id = _item_id("msg", id, len(output))
+                        item_id = _item_id("msg", rid, len(output))
                         item = {**_message_item(item_id, "", "in_progress"), "content": []}
                         part = _text_part("")
                     added = {"output_index": len(output), "item": item}
@@ -399,7 +390,7 @@ async def stream(
                     yield chunk
                 open_kind = None
                 index = len(output)
-                call_id = _item_id("fc", id, index)
+                call_id = _item_id("fc", rid, index)
                 is_custom = ev.call.name in custom
                 done = _call_item(call_id, ev.call, "completed", is_custom)
                 field = "input" if is_custom else "arguments"
@@ -432,8 +423,8 @@ async def stream(
         yield chunk
     final = _response(
         req,
-        id=id,
-        created=created,
+        id=rid,
+        created=head.created,
         status="incomplete" if incomplete else "completed",
         output=output,
         usage=_usage(finish.usage),
