@@ -214,17 +214,8 @@ _TASK_FIELDS = [
     "source",
     "split",
 ]
-_SWEBENCH_NEEDS = [
-    "instance_id",
-    "repo",
-    "base_commit",
-    "problem_statement",
-    "test_patch",
-    "FAIL_TO_PASS",
-    "PASS_TO_PASS",
-    "version",
-    "environment_setup_commit",
-]
+# SWE-bench's own columns: the first nine Task fields (instance_id … environment_setup_commit).
+_SWEBENCH_NEEDS = _TASK_FIELDS[:9]
 _COMMON = frozenset(_TASK_FIELDS) | {"image_name"}
 
 FORMATS: dict[str, TaskFormat] = {
