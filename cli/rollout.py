@@ -143,9 +143,7 @@ def rollout(
     run_id = f"legorl-{uuid.uuid4().hex[:10]}"
     progress = Progress(total=len(runs))
     # Crash rate, hack flags and engine-error bursts, to stderr and alerts.jsonl beside --out.
-    monitor = Monitor(
-        alerts_path=(out.parent if out else Path.cwd()) / "alerts.jsonl", strict=strict
-    )
+    monitor = Monitor(alerts_path=refs_base / "alerts.jsonl", strict=strict)
 
     remote = None
     if proxy is not None:

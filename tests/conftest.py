@@ -1,9 +1,12 @@
-"""Shared test helpers: the repository root, and one valid record of each type."""
+"""Shared test helpers: the repository root, the docker backend, a scripted run graded, and one
+valid record of each type."""
 
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,6 +52,77 @@ def docker_backend():
             pytest.fail("the Docker daemon is not running (.ci/run starts it)")
         pytest.skip("no Docker daemon")
     return make_backend("docker")
+
+
+async def run_task(
+    task: Task,
+    harness: Any,
+    backend: Any,
+    proxy: Any,
+    *,
+    refs: Path,
+    tasks_dir: Path = ROOT / "fixtures" / "tasks",
+    model: str = "tiny",
+    timeout: float = 120.0,
+    wall_s: float = 300.0,
+    run_id: str = "",
+) -> Trajectory:
+    """One run of ``harness`` on ``task`` in ``backend``'s sandbox through ``proxy`` (a
+    ``rollout.ProxyEndpoint``), by ``rollout.run_one``; turns_ref relative to ``refs``."""
+    from legorl.protocols import Limits
+    from legorl.rollout import Run, RunContext, run_one
+
+    ctx = RunContext(
+        harness=harness,
+        backend=backend,
+        limits=Limits(wall_s=wall_s),
+        proxy=proxy,
+        refs_relative_to=refs,
+        run_id=run_id or f"legorl-test-{uuid.uuid4().hex[:8]}",
+        model=model,
+        tasks_dir=tasks_dir,
+        timeout=timeout,
+    )
+    return await run_one(Run(task=task, sample_index=0), ctx)
+
+
+def scripted_run(task: Task, patch: str, trajectory_id: str = "") -> Trajectory:
+    """An ``ok`` run of the scripted harness that left ``patch`` on ``task`` (a fresh id unless
+    given: runs of one task graded at once must not share one)."""
+    return Trajectory(
+        trajectory_id=trajectory_id or f"{task.instance_id}.{uuid.uuid4().hex[:6]}",
+        task_id=task.instance_id,
+        group_id=task.instance_id,
+        sample_index=0,
+        harness="scripted",
+        status="ok",
+        patch=patch,
+    )
+
+
+async def grade_patch(
+    task: Task,
+    patch: str,
+    *,
+    backend: Any,
+    tasks_dir: str | Path,
+    config: Any = None,
+    run_id: str = "",
+    trajectory_id: str = "",
+) -> Trajectory:
+    """``patch`` graded on ``task`` by ``verify.grade``, as the scripted run that wrote it (no
+    turns); ``config`` a ``VerifyConfig`` (default: the defaults)."""
+    from legorl.verify import VerifyConfig, grade
+
+    return await grade(
+        scripted_run(task, patch, trajectory_id),
+        task,
+        backend=backend,
+        tasks_dir=str(tasks_dir),
+        run_id=run_id or f"legorl-test-{uuid.uuid4().hex[:8]}",
+        turns=[],
+        config=config or VerifyConfig(),
+    )
 
 
 def example_records() -> list:

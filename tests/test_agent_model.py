@@ -19,6 +19,7 @@ from itertools import groupby
 from pathlib import Path
 
 import pytest
+from conftest import run_task
 
 from experiments import make_agent_model as mam
 from fixtures import bugs as bug_gen
@@ -26,10 +27,9 @@ from fixtures import make_tasks as mt
 from legorl.align import align
 from legorl.engines import make_engine
 from legorl.harnesses import make_harness
-from legorl.protocols import Limits
 from legorl.proxy.tokens import ChatTokenizer
 from legorl.records import Task, Trajectory, Turn, read_jsonl
-from legorl.rollout import Run, RunContext, inprocess_proxy, run_one
+from legorl.rollout import inprocess_proxy
 from legorl.sandbox import make_backend
 from legorl.verify import verify
 
@@ -154,19 +154,15 @@ def test_transcript_tokens_are_what_the_proxy_records_in_a_real_run(
         engine = make_engine("forced", model_path=str(BASE), script=script)
         try:
             async with inprocess_proxy(BASE, engine, tmp_path / "turns") as (endpoint, _):
-                traj = await run_one(
-                    Run(task=task, sample_index=0),
-                    RunContext(
-                        harness=make_harness("mini", max_turns=4),
-                        backend=make_backend("local"),
-                        proxy=endpoint,
-                        tasks_dir=TASKS,
-                        model="tiny-agent",
-                        timeout=120,
-                        limits=Limits(wall_s=120),
-                        run_id="legorl-test-agent-model",
-                        refs_relative_to=tmp_path,
-                    ),
+                traj = await run_task(
+                    task,
+                    make_harness("mini", max_turns=4),
+                    make_backend("local"),
+                    endpoint,
+                    refs=tmp_path,
+                    model="tiny-agent",
+                    wall_s=120,
+                    run_id="legorl-test-agent-model",
                 )
             graded = [
                 g

@@ -21,12 +21,12 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import run_task
 
 from legorl.engines import make_engine
 from legorl.harnesses.testing import ScriptedHarness
-from legorl.protocols import Limits
 from legorl.records import Task, Trajectory, Turn, read_jsonl
-from legorl.rollout import Run, RunContext, inprocess_proxy, plan_runs, run_one
+from legorl.rollout import inprocess_proxy, plan_runs
 from legorl.sandbox import make_backend
 from legorl.verify.redteam import honest
 
@@ -98,19 +98,15 @@ async def _one(tmp: Path, harness, task: Task, timeout: float = 60) -> Trajector
     engine = make_engine("forced", model_path=str(MODEL), script=[])
     try:
         async with inprocess_proxy(MODEL, engine, tmp / "turns") as (endpoint, _):
-            return await run_one(
-                Run(task=task, sample_index=0),
-                RunContext(
-                    harness=harness,
-                    backend=make_backend("local"),
-                    proxy=endpoint,
-                    tasks_dir=TASKS,
-                    model="tiny",
-                    timeout=timeout,
-                    limits=Limits(wall_s=120),
-                    run_id="legorl-test-status",
-                    refs_relative_to=tmp,
-                ),
+            return await run_task(
+                task,
+                harness,
+                make_backend("local"),
+                endpoint,
+                refs=tmp,
+                timeout=timeout,
+                wall_s=120,
+                run_id="legorl-test-status",
             )
     finally:
         await engine.close()

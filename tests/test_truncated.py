@@ -18,14 +18,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_task
 
 from legorl.align import Truncation, align
 from legorl.engines import make_engine
 from legorl.harnesses import make_harness
-from legorl.protocols import Limits
 from legorl.proxy.core import Budget
 from legorl.records import Task, Trajectory, Turn, read_jsonl
-from legorl.rollout import Run, RunContext, inprocess_proxy, run_one
+from legorl.rollout import inprocess_proxy
 from legorl.sandbox import make_backend
 from legorl.verify.redteam import honest
 
@@ -42,19 +42,14 @@ async def _mini(tmp: Path, script: list, budget: Budget | None) -> Trajectory:
     engine = make_engine("forced", model_path=str(MODEL), script=script)
     try:
         async with inprocess_proxy(MODEL, engine, tmp / "turns", budget) as (endpoint, _):
-            return await run_one(
-                Run(task=_task(), sample_index=0),
-                RunContext(
-                    harness=make_harness("mini"),
-                    backend=make_backend("local"),
-                    proxy=endpoint,
-                    tasks_dir=TASKS,
-                    model="tiny",
-                    timeout=120,
-                    limits=Limits(wall_s=240),
-                    run_id="legorl-test-truncated",
-                    refs_relative_to=tmp,
-                ),
+            return await run_task(
+                _task(),
+                make_harness("mini"),
+                make_backend("local"),
+                endpoint,
+                refs=tmp,
+                wall_s=240,
+                run_id="legorl-test-truncated",
             )
     finally:
         await engine.close()

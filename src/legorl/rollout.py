@@ -15,6 +15,10 @@ attempt of the agent. An episode the proxy truncated (a budget spent, or the pro
 model's context) is ``truncated`` whatever the harness's exit looked like: that is the policy's
 doing, and align's truncation rule handles it; the proxy's own record of the session decides,
 never the harness's exit code or text. Re-running with the same output skips finished trajectories.
+
+``legorl rollout`` and ``legorl loop`` put a rollout together the same way: ``serve_engine``
+(an ``EngineSpec`` made and served by an in-process proxy), a ``RunContext`` (what every run
+shares), then ``rollout_into`` (runs → trajectory file → monitor).
 """
 
 from __future__ import annotations

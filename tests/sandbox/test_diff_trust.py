@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from conftest import grade_patch
 from sandbox_fixtures import (  # noqa: F401  (fixtures are found by name)
     TASKS_DIR,
     fixture_backend,
@@ -125,27 +126,13 @@ def test_the_rollout_diff_ignores_what_the_agent_did_to_git(backend: Any) -> Non
 
 
 async def _grade(backend: Any, patch: str) -> Any:
-    from legorl.records import Trajectory
-    from legorl.verify import VerifyConfig, grade
-
-    t = task()
-    traj = Trajectory(
-        trajectory_id="diff-trust",
-        task_id=t.instance_id,
-        group_id=t.instance_id,
-        sample_index=0,
-        harness="scripted",
-        status="ok",
-        patch=patch,
-    )
-    return await grade(
-        traj,
-        t,
+    return await grade_patch(
+        task(),
+        patch,
         backend=backend,
-        tasks_dir=str(TASKS_DIR),
+        tasks_dir=TASKS_DIR,
         run_id=run_id(),
-        turns=[],
-        config=VerifyConfig(),
+        trajectory_id="diff-trust",
     )
 
 

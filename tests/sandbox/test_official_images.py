@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import grade_patch, run_task
 from sandbox_fixtures import (  # noqa: F401  (fixtures are found by name)
     ROOT,
     fixture_docker_backend,
@@ -30,12 +31,11 @@ from sandbox_fixtures import (  # noqa: F401  (fixtures are found by name)
 from fixtures.mimic_image import ENV, FIXED_LINE, UPSTREAM, build_mimic
 from legorl.engines import make_engine
 from legorl.harnesses.testing import ScriptedHarness
-from legorl.protocols import Limits
 from legorl.records import Trajectory
-from legorl.rollout import Run, RunContext, inprocess_proxy, run_one
+from legorl.rollout import inprocess_proxy
 from legorl.sandbox import make_backend
 from legorl.sandbox.layers import plan
-from legorl.verify import VerifyConfig, grade
+from legorl.verify import VerifyConfig
 from legorl.verify.patches import split_diff
 
 MODEL = ROOT / "fixtures" / "models" / "tiny-qwen3"
@@ -159,45 +159,33 @@ async def _rollout(backend: Any, t: Any, tmp: Path) -> Trajectory:
     )
     try:
         async with inprocess_proxy(MODEL, engine, tmp / "turns") as (endpoint, _):
-            return await run_one(
-                Run(task=t, sample_index=0),
-                RunContext(
-                    harness=agent,
-                    backend=backend,
-                    proxy=endpoint,
-                    tasks_dir=Path("."),
-                    model="tiny",
-                    timeout=300,
-                    limits=Limits(wall_s=400),
-                    run_id=run_id(),
-                    refs_relative_to=tmp,
-                ),
+            return await run_task(
+                t,
+                agent,
+                backend,
+                endpoint,
+                refs=tmp,
+                tasks_dir=Path("."),
+                timeout=300,
+                wall_s=400,
+                run_id=run_id(),
             )
     finally:
         await engine.close()
 
 
 def _grade(backend: Any, t: Any, patch: str, off: frozenset[str] = frozenset()) -> Trajectory:
-    traj = Trajectory(
+    config = VerifyConfig(defences_off=off)
+    graded = grade_patch(
+        t,
+        patch,
+        backend=backend,
+        tasks_dir=".",
+        config=config,
+        run_id=run_id(),
         trajectory_id=f"{t.instance_id}.0",
-        task_id=t.instance_id,
-        group_id=t.instance_id,
-        sample_index=0,
-        harness="scripted",
-        status="ok",
-        patch=patch,
     )
-    return asyncio.run(
-        grade(
-            traj,
-            t,
-            backend=backend,
-            tasks_dir=".",
-            run_id=run_id(),
-            turns=[],
-            config=VerifyConfig(defences_off=off),
-        )
-    )
+    return asyncio.run(graded)
 
 
 def _found(patch: str) -> list[str]:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from conftest import run_task
 from sandbox_fixtures import (  # noqa: F401  (fixtures are found by name)
     ROOT,
     TASKS_DIR,
@@ -344,9 +345,7 @@ def test_the_secret_stays_out_of_what_the_run_records(local_backend: Any, tmp_pa
     """A harness that prints its own route (as harnesses do in errors): the Trajectory has the
     secret redacted, the Turn file never had it, and it is dead once the run ends."""
     from legorl.harnesses.testing import ScriptedHarness
-    from legorl.protocols import Limits
     from legorl.records import to_json
-    from legorl.rollout import Run, RunContext, run_one
 
     harness = ScriptedHarness(
         command=f"echo \"base url: $LEGORL_PROXY_URL\"; python3 -c '{CALL_OWN_ROUTE}'"
@@ -366,19 +365,14 @@ def test_the_secret_stays_out_of_what_the_run_records(local_backend: Any, tmp_pa
 
                 opener = endpoint.open_session
                 endpoint.open_session = open_and_note
-                traj = await run_one(
-                    Run(task=task(), sample_index=0),
-                    RunContext(
-                        harness=harness,
-                        backend=local_backend,
-                        proxy=endpoint,
-                        tasks_dir=TASKS_DIR,
-                        model="tiny",
-                        timeout=120,
-                        limits=Limits(wall_s=300),
-                        run_id=run_id(),
-                        refs_relative_to=tmp_path,
-                    ),
+                traj = await run_task(
+                    task(),
+                    harness,
+                    local_backend,
+                    endpoint,
+                    refs=tmp_path,
+                    tasks_dir=TASKS_DIR,
+                    run_id=run_id(),
                 )
                 assert sorted(core.sessions) == []  # closed with the run
                 return traj

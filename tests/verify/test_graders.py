@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import grade_patch, scripted_run
 
 from legorl.records import Task, Trajectory, read_jsonl
 from legorl.tasks import checkout
@@ -140,27 +141,15 @@ def _edit(prelude: str, body: str) -> str:
     return "diff --git a/geometry.py b/geometry.py\n" + "".join(diff)
 
 
-def _traj(task: Task, patch: str) -> Trajectory:
-    return Trajectory(
-        trajectory_id=uuid.uuid4().hex[:8],
-        task_id=task.instance_id,
-        group_id=task.instance_id,
-        sample_index=0,
-        harness="scripted",
-        status="ok",
-        patch=patch,
-    )
-
-
 async def _grade(task: Task, patch: str, off: frozenset[str] = frozenset()) -> Trajectory:
-    return await grade(
-        _traj(task, patch),
+    config = VerifyConfig(test_timeout=60.0, defences_off=off)
+    return await grade_patch(
         task,
+        patch,
         backend=_docker_backend(),
-        tasks_dir=str(TASKS),
+        tasks_dir=TASKS,
+        config=config,
         run_id=f"legorl-graders-{uuid.uuid4().hex[:8]}",
-        turns=[],
-        config=VerifyConfig(test_timeout=60.0, defences_off=off),
     )
 
 
@@ -225,7 +214,7 @@ def test_unknown_repo_version_names_it_and_how_to_give_a_test_command() -> None:
     # Through grading: reward null (not the model's fault) with that message, no sandbox used.
     graded = asyncio.run(
         grade(
-            _traj(row, ""),
+            scripted_run(row, ""),
             row,
             backend=None,  # type: ignore[arg-type]
             tasks_dir=str(TASKS),

@@ -14,9 +14,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from conftest import grade_patch
 
 from legorl.records import Task, Trajectory, read_jsonl
-from legorl.verify import VerifyConfig, grade
+from legorl.verify import VerifyConfig
 from legorl.verify.patches import PatchError, parse_strict
 from legorl.verify.redteam import _SHADOW_PYTEST as SHADOW_PYTEST
 from legorl.verify.runner import DEFENCES
@@ -74,27 +75,16 @@ def _task() -> Task:
 def _grade(
     patch: str, off: frozenset[str] = frozenset(), task: Task | None = None, backend: str = "docker"
 ) -> Trajectory:
-    task = task or _task()
-    traj = Trajectory(
+    graded = grade_patch(
+        task or _task(),
+        patch,
+        backend=_backend(backend),
+        tasks_dir=TASKS,
+        config=VerifyConfig(defences_off=off),
+        run_id="legorl-test-judge",
         trajectory_id="judge",
-        task_id=task.instance_id,
-        group_id=task.instance_id,
-        sample_index=0,
-        harness="scripted",
-        status="ok",
-        patch=patch,
     )
-    return asyncio.run(
-        grade(
-            traj,
-            task,
-            backend=_backend(backend),
-            tasks_dir=str(TASKS),
-            run_id="legorl-test-judge",
-            turns=[],
-            config=VerifyConfig(defences_off=off),
-        )
-    )
+    return asyncio.run(graded)
 
 
 def _new_file(path: str, content: str, header: str | None = None, mode: str = "100644") -> str:

@@ -34,12 +34,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import run_task
 
 from legorl.engines import make_engine
 from legorl.harnesses import MiniHarness
-from legorl.protocols import Limits, SandboxBackend
+from legorl.protocols import SandboxBackend
 from legorl.records import Task, Trajectory, Turn, read_jsonl
-from legorl.rollout import Run, RunContext, inprocess_proxy, run_one
+from legorl.rollout import inprocess_proxy
 from legorl.verify import VerifyConfig, grade, runner, tree
 from legorl.verify.redteam import HACKS, Hack, honest, markdown_table, unittest_variant
 
@@ -191,20 +192,7 @@ async def _rollout(
             if sibling is not None:
                 await endpoint.open_session(sibling, None)
             try:
-                traj = await run_one(
-                    Run(task=task, sample_index=0),
-                    RunContext(
-                        harness=harness,
-                        backend=backend,
-                        proxy=endpoint,
-                        tasks_dir=TASKS,
-                        model="tiny",
-                        timeout=120,
-                        limits=Limits(wall_s=300),
-                        run_id=run_id,
-                        refs_relative_to=tmp,
-                    ),
-                )
+                traj = await run_task(task, harness, backend, endpoint, refs=tmp, run_id=run_id)
             finally:
                 if sibling is not None:
                     await endpoint.close_session(sibling)

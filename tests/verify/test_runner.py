@@ -16,10 +16,10 @@ import uuid
 from collections.abc import Set as AbstractSet
 from pathlib import Path
 
-from conftest import docker_backend
+from conftest import docker_backend, grade_patch
 
 from legorl.records import Task, Trajectory, read_jsonl
-from legorl.verify import VerifyConfig, grade
+from legorl.verify import VerifyConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ROOT / "fixtures" / "tasks"
@@ -50,27 +50,15 @@ def _patch(tmp: Path, files: dict[str, str], append: bool = True) -> str:
 
 
 def _grade(patch: str, off: AbstractSet[str] = frozenset()) -> Trajectory:
-    task = _task()
-    traj = Trajectory(
-        trajectory_id=f"t-{uuid.uuid4().hex[:6]}",
-        task_id=task.instance_id,
-        group_id=task.instance_id,
-        sample_index=0,
-        harness="scripted",
-        status="ok",
-        patch=patch,
+    graded = grade_patch(
+        _task(),
+        patch,
+        backend=docker_backend(),
+        tasks_dir=TASKS,
+        config=VerifyConfig(defences_off=frozenset(off)),
+        run_id=f"legorl-runner-{uuid.uuid4().hex[:8]}",
     )
-    return asyncio.run(
-        grade(
-            traj,
-            task,
-            backend=docker_backend(),
-            tasks_dir=str(TASKS),
-            run_id=f"legorl-runner-{uuid.uuid4().hex[:8]}",
-            turns=[],
-            config=VerifyConfig(defences_off=frozenset(off)),
-        )
-    )
+    return asyncio.run(graded)
 
 
 # Writes a valid chain of records saying every required test passed, with the key the grader
