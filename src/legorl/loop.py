@@ -415,12 +415,12 @@ def run_loop(
     return LoopResult(
         config=config,
         state=state,
+        seconds=time.monotonic() - started,
+        already_finished=done,
+        resumed_from=resumed_from,
         metrics_path=metrics_path,
         plot_path=plot_path,
         state_path=state_path,
-        already_finished=done,
-        resumed_from=resumed_from,
-        seconds=time.monotonic() - started,
     )
 
 
