@@ -143,24 +143,11 @@ def _verify(tasks: list[Task], sandbox: str, tmp_path: Path) -> dict[str, Trajec
     return {t.trajectory_id: t for t in read_jsonl(tmp_path / "graded.jsonl", Trajectory)}
 
 
-# Gold patches the grader refuses today, and why: its always-true twin check flags toolz's own
-# test_compose_metadata (the task's function is Compose.__eq__). A grader false positive on real
-# code, reported; when the grader stops refusing it, this check fails and the entry goes.
-GRADER_REFUSES_GOLD = {
-    "pytoolz__toolz-real-9": "a comparison also holds against an impossible value",
-}
-
-
 def _wrong(tasks: list[Task], graded: dict[str, Trajectory]) -> list[str]:
     problems = []
     for task in tasks:
         gold, empty = graded[f"{task.instance_id}.gold"], graded[f"{task.instance_id}.empty"]
-        known = GRADER_REFUSES_GOLD.get(task.instance_id)
-        if known is not None:
-            said = " ".join((gold.verdict or {}).get("runner_problems", []))
-            if gold.reward != 0.0 or known not in said:
-                problems.append(f"{task.instance_id}: known grader refusal changed: {gold.verdict}")
-        elif gold.reward != 1.0:
+        if gold.reward != 1.0:
             problems.append(f"{task.instance_id}: gold reward {gold.reward}: {gold.verdict}")
         if empty.reward != 0.0:
             problems.append(f"{task.instance_id}: empty reward {empty.reward}: {empty.verdict}")
@@ -168,6 +155,22 @@ def _wrong(tasks: list[Task], graded: dict[str, Trajectory]) -> list[str]:
         if not set(task.FAIL_TO_PASS) <= failed:
             problems.append(f"{task.instance_id}: empty patch left FAIL_TO_PASS passing")
     return problems
+
+
+@pytest.mark.parametrize("sandbox", ["docker", "local"])
+def test_a_test_comparing_with_its_own_always_equal_instrument_grades_its_gold_1(
+    sandbox: str, tmp_path: Path
+) -> None:
+    # toolz's test_compose_metadata asserts `composed == AlwaysEquals()` (AlwaysEquals is the
+    # test file's own class) to check that Compose.__eq__ defers to the other side. The twin
+    # used to count that comparison vacuous and refuse the gold patch.
+    _need(sandbox)
+    tasks = [t for t in _tasks("toolz") if t.instance_id == "pytoolz__toolz-real-9"]
+    graded = _verify(tasks, sandbox, tmp_path)
+    gold = graded["pytoolz__toolz-real-9.gold"]
+    assert gold.reward == 1.0 and not gold.hack_flags, gold.verdict
+    problems = _wrong(tasks, graded)
+    assert not problems, "\n".join(problems)
 
 
 @pytest.mark.slow

@@ -94,8 +94,10 @@ def test_groups_of_runs_write_trajectories_with_turns_and_patches(tmp_path: Path
     assert len(list(read_jsonl(tmp_path / "traj.jsonl", Trajectory))) == 8
 
 
-async def _one(tmp: Path, harness, task: Task, timeout: float = 60) -> Trajectory:
-    engine = make_engine("forced", model_path=str(MODEL), script=[])
+async def _one(
+    tmp: Path, harness, task: Task, timeout: float = 60, script: list[dict] | None = None
+) -> Trajectory:
+    engine = make_engine("forced", model_path=str(MODEL), script=script or [])
     try:
         async with inprocess_proxy(MODEL, engine, tmp / "turns") as (endpoint, _):
             return await run_task(
@@ -141,6 +143,48 @@ def test_a_sandbox_that_cannot_start_is_an_environment_failure(tmp_path: Path) -
 def test_a_harness_that_never_calls_the_model_is_a_proxy_error(tmp_path: Path) -> None:
     traj = asyncio.run(_one(tmp_path, ScriptedHarness(command="true"), _tasks()[0]))
     assert traj.status == "proxy_error"
+
+
+# The scripted agent calls its session once per word, as a harness would, then exits 1: a
+# crash it claims. The forced engine answers "first" and fails any other call (503).
+_ASK = (
+    "python3 -c 'import json, sys, urllib.request as u\n"
+    "for word in sys.argv[2:]:\n"
+    '    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": word}]})\n'
+    '    req = u.Request(sys.argv[1], body.encode(), {"content-type": "application/json"})\n'
+    "    try:\n"
+    "        print(word, u.urlopen(req, timeout=60).status)\n"
+    "    except u.HTTPError as err:\n"
+    "        print(word, err.code)\n"
+    '\' "$LEGORL_PROXY_URL/v1/chat/completions" {words}; exit 1'
+)
+
+
+@pytest.mark.parametrize(
+    ("words", "status"),
+    [
+        ("first", "harness_error"),  # the policy answered, then the harness "crashed"
+        ("second first", "harness_error"),  # the engine failed, but the policy answered since
+        ("first second", "harness_crash"),  # control: the engine failed the last call
+        ("second", "harness_crash"),  # control: the policy never answered
+    ],
+)
+def test_a_claimed_crash_stands_only_where_the_proxy_backs_it(
+    tmp_path: Path, words: str, status: str
+) -> None:
+    harness = ScriptedHarness(command=_ASK.replace("{words}", words))
+    script = [{"match": "first", "text": "ok", "repeat": True}]
+    traj = asyncio.run(_one(tmp_path, harness, _tasks()[0], script=script))
+    assert traj.status == status, traj.evidence
+    assert traj.evidence["exit_code"] == 1
+    assert traj.evidence["log_tail"].split() == [
+        w for word in words.split() for w in (word, "200" if word == "first" else "503")
+    ]
+    if status == "harness_error":
+        why = traj.evidence["uncorroborated"]
+        assert "reported harness_crash after 1 completion(s)" in why, why
+    else:
+        assert "corroborated" in traj.evidence and "uncorroborated" not in traj.evidence
 
 
 def test_plan_skips_done_runs_and_respects_limit() -> None:

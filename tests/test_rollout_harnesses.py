@@ -42,30 +42,35 @@ def _call(name: str, args: dict) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
 
 
+#: Each harness's shell tool: its name, and how its arguments hold the command.
+_SHELL = {
+    "claude-code": ("Bash", "command", {"description": "run it"}),
+    "opencode": ("bash", "command", {"description": "run it"}),
+    "codex": ("exec_command", "cmd", {}),
+    "qwen-code": ("run_shell_command", "command", {"description": "run it"}),
+    "mini-swe-agent": ("bash", "command", {}),
+    "mini": ("bash", "command", {}),
+    "openhands-sdk": ("terminal", "command", {}),
+}
+TITLE = {"match": "Generate a title", "text": "Fix the area", "repeat": True}
+
+
+def shell_call(harness: str, command: str) -> str:
+    """A completion that asks ``harness`` to run ``command`` with its shell tool."""
+    name, key, extra = _SHELL[harness]
+    return _call(name, {key: command, **extra})
+
+
 def _script(harness: str, task: Task) -> list[dict]:
-    command = _fix_command(task)
-    title = {"match": "Generate a title", "text": "Fix the area", "repeat": True}
-    if harness == "claude-code":
-        first = _call("Bash", {"command": command, "description": "apply the fix"})
-        last = "The bug is fixed."
-    elif harness == "opencode":
-        first = _call("bash", {"command": command, "description": "apply the fix"})
-        last = "The bug is fixed."
-    elif harness == "codex":
-        first = _call("exec_command", {"cmd": command})
-        last = "The bug is fixed."
-    elif harness == "qwen-code":
-        first = _call("run_shell_command", {"command": command, "description": "apply the fix"})
-        last = "The bug is fixed."
-    elif harness == "mini-swe-agent":
-        first = _call("bash", {"command": command})
-        last = "Done.\n" + _call("bash", {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"})
-    else:
-        first = _call("terminal", {"command": command})
+    if harness == "mini-swe-agent":
+        last = "Done.\n" + shell_call(harness, "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT")
+    elif harness == "openhands-sdk":
         last = _call("finish", {"message": "The bug is fixed."})
+    else:
+        last = "The bug is fixed."
     return [
-        title,
-        {"match": "rectangle_area", "text": first},
+        TITLE,
+        {"match": "rectangle_area", "text": shell_call(harness, _fix_command(task))},
         {"match": "legorl-fixed", "text": last, "repeat": True},
     ]
 
@@ -83,6 +88,18 @@ def _legorl(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 def _rollout(
     tmp_path: Path, harness: str, sandbox: str = "docker"
 ) -> tuple[Task, Trajectory, list[Turn]]:
+    task = _task()
+    traj = rollout_with(tmp_path, harness, _script(harness, task), sandbox)
+    assert traj.status == "ok", traj.evidence
+    assert traj.patch == task.patch
+    assert traj.turns_ref
+    return task, traj, list(read_jsonl(tmp_path / traj.turns_ref[0], Turn))
+
+
+def rollout_with(
+    tmp_path: Path, harness: str, script: list[dict], sandbox: str = "docker"
+) -> Trajectory:
+    """`legorl rollout` of ``harness`` on the toy task, the forced engine playing ``script``."""
     if sandbox == "local" and shutil.which("bwrap") is None:
         missing = "bubblewrap (bwrap) is not installed (.ci/run installs it)"
     elif sandbox == "docker" and subprocess.run(["docker", "info"], capture_output=True).returncode:
@@ -93,8 +110,7 @@ def _rollout(
         if os.environ.get("CI") == "true":
             pytest.fail(missing)
         pytest.skip(missing)
-    task = _task()
-    (tmp_path / "script.json").write_text(json.dumps(_script(harness, task)))
+    (tmp_path / "script.json").write_text(json.dumps(script))
     (tmp_path / "tasks.jsonl").write_text(
         next(ln for ln in (TASKS / "train.jsonl").read_text().splitlines() if TASK_ID in ln) + "\n"
     )
@@ -125,10 +141,7 @@ def _rollout(
     )
     assert result.returncode == 0, result.stderr[-3000:]
     (traj,) = read_jsonl(tmp_path / "traj.jsonl", Trajectory)
-    assert traj.status == "ok", traj.evidence
-    assert traj.patch == task.patch
-    assert traj.turns_ref
-    return task, traj, list(read_jsonl(tmp_path / traj.turns_ref[0], Turn))
+    return traj
 
 
 @pytest.mark.parametrize(

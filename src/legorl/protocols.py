@@ -48,6 +48,12 @@ class EngineError(RuntimeError):
     """The engine could not serve a request (overloaded, crashed, context too long)."""
 
 
+class EngineRequestError(EngineError):
+    """The engine refused a request for what it asks (an empty prompt, a setting it cannot
+    score faithfully, its server's 4xx): the caller's doing, not an engine failure. The proxy
+    never counts it as the environment failing a session."""
+
+
 class ContextLengthError(EngineError):
     def __init__(self, prompt_tokens: int, max_context: int) -> None:
         super().__init__(

@@ -34,13 +34,22 @@ import orjson
 
 Api = Literal["openai_chat", "anthropic", "responses", "gemini"]
 Status = Literal[
-    "ok", "agent_error", "timeout", "truncated", "harness_crash", "sandbox_error", "proxy_error"
+    "ok",
+    "agent_error",
+    "timeout",
+    "truncated",
+    "harness_error",
+    "harness_crash",
+    "sandbox_error",
+    "proxy_error",
 ]
 
 #: Statuses caused by the environment, not by the agent: masked from training, never scored 0.
 #: ``truncated`` is the policy's: its episode outgrew a budget or the model's context; the
 #: proxy's record of the session says so (``evidence["truncated"]`` names which) and align's
-#: truncation rule decides what training makes of it.
+#: truncation rule decides what training makes of it. ``harness_error`` is the policy's too: the
+#: harness claimed an environment failure that the proxy's record of the session does not back
+#: (``evidence["uncorroborated"]`` says why), so it is graded and trained like any failure.
 ENVIRONMENT_FAILURES: frozenset[str] = frozenset({"harness_crash", "sandbox_error", "proxy_error"})
 
 

@@ -9,12 +9,20 @@ network reaches only the proxy. The proxy hands out the session as a capability,
 a secret (``/s/{id}~{secret}``), which is all the sandbox is given: another run's session is
 not reachable by its id, by an API key or by a guessed secret. The secret is redacted from
 what the run records and dies when the session closes. Turns go to
-``{turns_dir}/{trajectory_id}.jsonl`` and the Trajectory refers to them. Environment failures (the sandbox would not start, the
-harness crashed, the proxy failed) get their own status and are never written as a failed
-attempt of the agent. An episode the proxy truncated (a budget spent, or the prompt outgrew the
-model's context) is ``truncated`` whatever the harness's exit looked like: that is the policy's
-doing, and align's truncation rule handles it; the proxy's own record of the session decides,
-never the harness's exit code or text. Re-running with the same output skips finished trajectories.
+``{turns_dir}/{trajectory_id}.jsonl`` and the Trajectory refers to them.
+
+Environment failures (the sandbox would not start, the harness crashed, the proxy failed) get
+their own status and are never written as a failed attempt of the agent; training drops them.
+So nothing the agent controls may claim one: its commands run beside the harness, and could
+print what the harness prints on a proxy error or kill the harness. A harness's claim of an
+environment failure stands only where the proxy's own record of the session
+(``SessionReport``) backs it: no output of the policy had reached the harness yet, or the engine
+failed the session's last call. Otherwise the episode is ``harness_error``, the policy's
+outcome, graded like any other, and ``evidence["uncorroborated"]`` says what was claimed and
+why it did not stand. A sandbox failure legorl's backend raised itself needs no corroboration.
+An episode the proxy truncated (a budget spent, or the prompt outgrew the model's context) is
+``truncated`` whatever the harness's exit looked like: that is the policy's doing, and align's
+truncation rule handles it. Re-running with the same output skips finished trajectories.
 
 ``legorl rollout`` and ``legorl loop`` put a rollout together the same way: ``serve_engine``
 (an ``EngineSpec`` made and served by an in-process proxy), a ``RunContext`` (what every run
@@ -31,10 +39,13 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from legorl.protocols import Harness, Limits, Sandbox, SandboxBackend, SandboxError
-from legorl.records import TokenCounts, Trajectory, Turn, read_jsonl
+from legorl.records import ENVIRONMENT_FAILURES, TokenCounts, Trajectory, Turn, read_jsonl
+
+if TYPE_CHECKING:
+    from legorl.proxy.core import SessionReport
 
 
 @dataclass(slots=True, kw_only=True)
@@ -100,12 +111,13 @@ class ProxyEndpoint:
 
     ``open_session(id, main_system)`` opens a capability session (``main_system``: the
     harness's declared system prompt, or None) and raises ``SessionOpenError`` if it cannot.
-    ``close_session(id)`` returns why the proxy truncated the session, or None."""
+    ``close_session(id)`` returns the proxy's record of the session (``SessionReport``), or
+    None when the proxy gave none."""
 
     url: str  # host-side base URL
     turns_dir: Path
     open_session: Callable[[str, str | None], Awaitable[SessionAccess]]
-    close_session: Callable[[str], Awaitable[str | None]]
+    close_session: Callable[[str], Awaitable[SessionReport | None]]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -173,12 +185,18 @@ async def run_one(run: Run, ctx: RunContext) -> Trajectory:
     if access is not None:
         # Set aside only once the id is this run's alone: no client can write that file since.
         _set_aside(turns_path)
+        report: SessionReport | None = None
+        claimed = False
         try:
-            status, patch = await _attempt(run, access, ctx, timings, evidence)
+            status, patch, claimed = await _attempt(run, access, ctx, timings, evidence)
         finally:
-            truncated = await proxy.close_session(tid)
+            report = await proxy.close_session(tid)
+        truncated = report.truncated if report is not None else None
         if truncated is not None and status != "sandbox_error":
             status, evidence["truncated"] = "truncated", truncated
+        elif claimed and status in ENVIRONMENT_FAILURES:
+            status, why = judge_claim(status, report)
+            evidence["uncorroborated" if status == "harness_error" else "corroborated"] = why
         for key, value in evidence.items():
             if isinstance(value, str):
                 evidence[key] = access.redact(value)
@@ -211,10 +229,11 @@ async def _attempt(
     ctx: RunContext,
     timings: dict[str, float],
     evidence: dict[str, Any],
-) -> tuple[str, str]:
-    """Start the sandbox, run the harness, take the diff: (status, patch)."""
+) -> tuple[str, str, bool]:
+    """Start the sandbox, run the harness, take the diff: (status, patch, whether the status is
+    the harness's own claim rather than what legorl saw)."""
     harness = ctx.harness
-    status, patch = "sandbox_error", ""
+    status, patch, claimed = "sandbox_error", "", False
     t0 = time.monotonic()
     sandbox: Sandbox | None = None
     try:
@@ -236,7 +255,7 @@ async def _attempt(
                 outcome = await harness.run(
                     sandbox, run.task.problem_statement, model=ctx.model, timeout=ctx.timeout
                 )
-                status = outcome.status
+                status, claimed = outcome.status, True
                 evidence.update(exit_code=outcome.exit_code, log_tail=outcome.log_tail)
             except SandboxError as exc:
                 evidence["error"] = f"sandbox: {exc}"
@@ -245,11 +264,39 @@ async def _attempt(
                 patch = await sandbox.diff()
             except SandboxError as exc:
                 status, evidence["error"] = "sandbox_error", f"sandbox (diff): {exc}"
+                claimed = False
     finally:
         if sandbox is not None:
             with contextlib.suppress(Exception):
                 await sandbox.close()
-    return status, patch
+    return status, patch, claimed
+
+
+def judge_claim(claimed: str, report: SessionReport | None) -> tuple[str, str]:
+    """The status of a run whose harness claimed the environment failure ``claimed``, judged on
+    the proxy's record of its session alone: (status, why).
+
+    The claim stands where the policy cannot have caused it: none of its output had reached
+    the harness (its commands run only once a completion asks for them), or the engine failed
+    the session's last call, after which the policy has not acted. Otherwise it is the
+    policy's outcome, ``harness_error``. Without a record (a proxy that gave none) nothing
+    refutes the claim."""
+    if report is None:
+        return claimed, "the proxy gave no record of the session"
+    if report.completions == 0:
+        return claimed, "no output of the policy had reached the harness"
+    if report.failed_last:
+        return claimed, f"the engine failed the session's last call: {report.engine_failures[-1]}"
+    seen = (
+        f"the engine's last failure ({report.engine_failures[-1]}) came before the policy's "
+        "last completion"
+        if report.engine_failures
+        else "the proxy answered every call"
+    )
+    return "harness_error", (
+        f"the harness reported {claimed} after {report.completions} completion(s) of the "
+        f"policy, and {seen}: nothing legorl saw puts it on the environment"
+    )
 
 
 async def rollout(
@@ -372,7 +419,7 @@ async def inprocess_proxy(
             raise SessionOpenError(err.message) from None
         return SessionAccess.of_route(server.url, route)
 
-    async def close_session(sid: str) -> str | None:
+    async def close_session(sid: str) -> SessionReport | None:
         return core.close_session(sid)
 
     try:
@@ -434,14 +481,15 @@ def remote_proxy(url: str, turns_dir: Path, admin_token: str) -> ProxyEndpoint:
             ) from None
         return SessionAccess.of_route(base, str(route))
 
-    async def close_session(sid: str) -> str | None:
+    async def close_session(sid: str) -> SessionReport | None:
+        from legorl.proxy.core import SessionReport
+
         try:
             async with httpx.AsyncClient() as client:
                 resp = await client.delete(f"{base}/admin/sessions/{sid}", headers=auth)
-            truncated = resp.json().get("truncated")
+            return SessionReport.from_json(resp.json().get("report"))
         except (httpx.HTTPError, ValueError, AttributeError):
             return None
-        return truncated if isinstance(truncated, str) else None
 
     return ProxyEndpoint(
         url=base,

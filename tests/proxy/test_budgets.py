@@ -95,7 +95,8 @@ def test_a_call_past_max_turns_ends_the_episode_in_the_api_shape(
 
 
 async def _close(core, sid: str) -> str | None:
-    return core.close_session(sid)
+    report = core.close_session(sid)
+    return report.truncated if report is not None else None
 
 
 def test_the_episode_token_budget_clamps_then_refuses(tmp_path: Path) -> None:
@@ -147,6 +148,13 @@ def test_the_admin_api_reports_the_truncation_on_close(tmp_path: Path) -> None:
         assert refused.json()["error"]["code"] == "budget_exceeded"
         closed = httpx.delete(f"{proxy.url}/admin/sessions/r1", headers=auth)
         assert closed.json()["truncated"] == "max_turns"
+        report = closed.json()["report"]
+        assert report == {
+            "truncated": "max_turns",
+            "completions": 1,
+            "engine_failures": [],
+            "failed_last": False,
+        }
 
 
 def test_a_budget_that_is_not_positive_is_refused_naming_the_option() -> None:
@@ -158,3 +166,52 @@ def test_a_budget_that_is_not_positive_is_refused_naming_the_option() -> None:
     )
     assert done.returncode == 2
     assert "legorl proxy: error: --max-episode-tokens 0: must be > 0" in done.stderr
+
+
+# ---- the session's report: what the proxy itself saw ---------------------------------------
+
+
+def _chat(url: str, session: str, content: str, **extra: object) -> int:
+    """The call's status; a streamed call's error comes after its 200, as an event: 503."""
+    body = {"model": "m", "messages": [{"role": "user", "content": content}], **extra}
+    resp = httpx.post(f"{url}/s/{session}/v1/chat/completions", json=body, timeout=120)
+    return 503 if resp.status_code == 200 and "engine error" in resp.text else resp.status_code
+
+
+async def _report(core, sid: str):
+    return core.close_session(sid)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["body", "stream"])
+def test_the_report_says_whether_the_engine_failed_after_the_last_completion(
+    tmp_path: Path, stream: bool
+) -> None:
+    # The forced engine fails a call that no scripted entry matches (an engine down, for the
+    # proxy): 503. Whether that failure came after the policy's last completion is the report's.
+    script = [{"match": "first", "text": "ok", "repeat": True}, {"match": "third", "text": "ok"}]
+    with running_proxy(tmp_path, script) as proxy:
+        assert _chat(proxy.url, "s1", "first", stream=stream) == 200
+        assert _chat(proxy.url, "s1", "second", stream=stream) == 503
+        failed = proxy.call(_report(proxy.core, "s1"))
+        assert failed.completions == 1 and failed.failed_last
+        assert "no scripted completion left" in failed.engine_failures[-1]
+        assert _chat(proxy.url, "s2", "second", stream=stream) == 503
+        assert _chat(proxy.url, "s2", "third", stream=stream) == 200
+        recovered = proxy.call(_report(proxy.core, "s2"))
+        assert recovered.completions == 1 and not recovered.failed_last
+        assert len(recovered.engine_failures) == 1
+        assert _chat(proxy.url, "s3", "first", stream=stream) == 200
+        clean = proxy.call(_report(proxy.core, "s3"))
+        assert clean.completions == 1 and not clean.failed_last and not clean.engine_failures
+
+
+def test_a_refusal_of_what_the_request_asked_is_not_an_engine_failure(tmp_path: Path) -> None:
+    # The embedded engine (the real tiny model) refuses a negative temperature: the request's
+    # doing, which a client in the sandbox chooses, so the report does not count it.
+    with running_proxy(tmp_path, [], engine="embedded") as proxy:
+        assert _chat(proxy.url, "s1", "hello", temperature=-1.0) == 503
+        refused = proxy.call(_report(proxy.core, "s1"))
+        assert refused.completions == 0 and not refused.engine_failures
+        assert not refused.failed_last
+        assert _chat(proxy.url, "s2", "hello", max_tokens=2) == 200
+        assert proxy.call(_report(proxy.core, "s2")).completions == 1

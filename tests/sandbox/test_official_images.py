@@ -34,6 +34,7 @@ from legorl.harnesses.testing import ScriptedHarness
 from legorl.records import Trajectory
 from legorl.rollout import inprocess_proxy
 from legorl.sandbox import make_backend
+from legorl.sandbox.images import activation, probe_script
 from legorl.sandbox.layers import plan
 from legorl.verify import VerifyConfig
 from legorl.verify.patches import split_diff
@@ -68,7 +69,10 @@ for pack in $(find / -xdev -name '*.pack' 2>/dev/null); do
 for f in $(grep -rlF "$FIXED" /testbed /srv /opt /root /home /tmp /var 2>/dev/null | grep -v -e "^/tmp/x$" -e "$R"); do
   take "file $f" "$f"; done
 git remote -v >> "$R"
-python3 - <<'PY'
+CALL_MODEL""".replace("REPORT", REPORT).replace("FIXED_LINE", FIXED_LINE)
+
+#: A scripted agent's one call of the model, with a tool (a run without one is a proxy error).
+CALL_MODEL = r"""python3 - <<'PY'
 import json, os, urllib.request
 tool = {"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}
 body = {"model": "m", "max_tokens": 8, "tools": [tool], "messages": [{"role": "user", "content": "done"}]}
@@ -76,7 +80,11 @@ url = os.environ["LEGORL_PROXY_URL"] + "/v1/chat/completions"
 head = {"content-type": "application/json"}
 urllib.request.urlopen(urllib.request.Request(url, json.dumps(body).encode(), head), timeout=120)
 PY
-""".replace("REPORT", REPORT).replace("FIXED_LINE", FIXED_LINE)
+"""
+EXPLOIT = EXPLOIT.replace("CALL_MODEL", CALL_MODEL)
+
+#: The task's test that reads what the env's activation script sets.
+NEEDS_ENV = "tests/test_ops.py::test_data_comes_from_the_env"
 
 
 @pytest.fixture(scope="module", name="mimic")
@@ -152,8 +160,8 @@ def test_control_without_the_lockdown_the_history_holds_the_fix(
     run(go())
 
 
-async def _rollout(backend: Any, t: Any, tmp: Path) -> Trajectory:
-    agent: Any = ScriptedHarness(command=EXPLOIT)
+async def _rollout(backend: Any, t: Any, tmp: Path, command: str = EXPLOIT) -> Trajectory:
+    agent: Any = ScriptedHarness(command=command)
     engine = make_engine(
         "forced", model_path=str(MODEL), script=[{"text": "Done.", "repeat": True}]
     )
@@ -232,9 +240,41 @@ def test_the_gold_fix_grades_1_and_the_empty_patch_0(
     gold = _grade(docker_backend, t, t.patch)
     assert gold.reward == 1.0 and gold.verdict is not None, gold.verdict
     assert set(gold.verdict["tests"].values()) == {"passed"}
+    assert gold.verdict["tests"][NEEDS_ENV] == "passed"  # graded in the activated env
     empty = _grade(docker_backend, t, "")
     assert empty.reward == 0.0 and empty.verdict is not None
     assert empty.verdict["tests"]["tests/test_ops.py::test_mean_is_not_rounded"] == "failed"
+
+
+def test_commands_run_in_the_env_as_its_activation_leaves_it(
+    docker_backend: Any, mimic: tuple[Any, dict[str, Any]], tmp_path: Path
+) -> None:
+    # conda's own variables, and what the env's etc/conda/activate.d/calc.sh sets.
+    t, _ = mimic
+    want = f"{ENV} testbed {ENV}/share/calc"
+
+    async def go() -> None:
+        box = await docker_backend.start(t, ".", run_id=run_id())
+        try:
+            assert await _sh(box, 'echo "$CONDA_PREFIX $CONDA_DEFAULT_ENV $CALC_DATA"') == want
+            assert await _sh(box, "command -v python") == f"{ENV}/bin/python"
+            assert "1 passed" in await _sh(box, f"python -m pytest -q {NEEDS_ENV}")
+            # Control: without the activation's variable the task's own test fails.
+            bare = await box.exec(f"env -u CALC_DATA python -m pytest -q {NEEDS_ENV}", timeout=120)
+            assert bare.exit_code != 0 and "KeyError: 'CALC_DATA'" in bare.output, bare.output
+        finally:
+            await box.close()
+
+    run(go())
+    # The agent, through its harness, gets the same env: its report lands in its patch.
+    agent = (
+        f'echo "$CONDA_DEFAULT_ENV $CALC_DATA" > env-report.txt; '
+        f"python -m pytest -q -p no:cacheprovider {NEEDS_ENV} >> env-report.txt 2>&1\n" + CALL_MODEL
+    )
+    traj = asyncio.run(_rollout(docker_backend, t, tmp_path, agent))
+    assert traj.status == "ok", traj.evidence
+    assert f"+testbed {ENV}/share/calc" in traj.patch, traj.patch
+    assert "1 passed" in traj.patch, traj.patch
 
 
 def test_a_grading_sandbox_starts_from_the_pristine_image(
@@ -366,3 +406,52 @@ def test_code_under_test_cannot_read_the_fix_out_of_the_history_when_graded(
     assert _grade(docker_backend, t, patch, off).reward == 0.0
     # Control: graded on the image's own history, the same patch finds the fix and passes.
     assert _grade(unlocked, t, patch, off).reward == 1.0
+
+
+# ---- the env's activation, as the probe finds it (no Docker) --------------------------------
+
+
+def _probe(tmp: Path, *, conda: bool, script: str) -> subprocess.CompletedProcess[str]:
+    env = tmp / "envs" / "testbed"
+    (env / "bin").mkdir(parents=True)
+    (env / "bin" / "python").symlink_to(sys.executable)
+    hook = env / "etc" / "conda" / "activate.d"
+    if conda:
+        (env / "conda-meta").mkdir()
+        hook.mkdir(parents=True)
+        (hook / "a.sh").write_text(script)
+        (hook / "b.sh").write_text('export SEEN_A="${FROM_A:-unset}"\n')
+    return subprocess.run(
+        ["sh", "-c", probe_script((str(tmp / "absent"), str(env)))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp)},
+    )
+
+
+def test_the_probe_activates_a_conda_env_as_conda_does(tmp_path: Path) -> None:
+    done = _probe(tmp_path, conda=True, script='export FROM_A="$CONDA_PREFIX/share"\n')
+    env = str(tmp_path / "envs" / "testbed")
+    assert f"env={env}" in done.stdout.splitlines(), done.stdout + done.stderr
+    assert activation(done.stdout) == {
+        "CONDA_PREFIX": env,
+        "CONDA_DEFAULT_ENV": "testbed",
+        "CONDA_SHLVL": "1",
+        "CONDA_PROMPT_MODIFIER": "(testbed) ",
+        "FROM_A": f"{env}/share",
+        "SEEN_A": f"{env}/share",  # the scripts run in order, in one shell
+        "PATH": f"{env}/bin:/usr/bin:/bin",
+    }
+
+
+def test_a_failing_activation_script_does_not_stop_the_others(tmp_path: Path) -> None:
+    done = _probe(tmp_path, conda=True, script="false\nexport FROM_A=1\nundefined_command\n")
+    assert activation(done.stdout)["SEEN_A"] == "1", done.stdout + done.stderr
+
+
+def test_a_plain_venv_is_not_activated(tmp_path: Path) -> None:
+    done = _probe(tmp_path, conda=False, script="")
+    assert done.returncode == 0 and activation(done.stdout) == {}
+    with pytest.raises(ValueError, match="not an object"):
+        activation('activated=["PATH"]')

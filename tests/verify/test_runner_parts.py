@@ -12,6 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from conftest import ROOT
 
 from legorl.records import Task, read_jsonl
@@ -160,6 +161,119 @@ def test_an_always_equal_value_is_vacuous_on_either_side(tmp_path: Path) -> None
     assert all(r["vacuous"] >= 1 for r in plain)
     untwinned, _ = records(_boot(repo, grade, "plain", "--no-twin", "--", *ids).stdout, b"k3y")
     assert all("vacuous" not in r for r in untwinned if r["event"] == "plain")
+
+
+# The test's own instruments (toolz's test_compose_metadata has these two classes): a value the
+# test builds from them is its expected value, not one the code under test made.
+_INSTRUMENTS = """
+    import lib
+
+    class AlwaysEquals:
+        def __eq__(self, other):
+            return True
+
+        def __ne__(self, other):
+            return False
+
+    class Point:
+        def __init__(self, x):
+            self.x = x
+
+        def __eq__(self, other):
+            return isinstance(other, Point) and other.x == self.x
+
+    def test_instrument():
+        assert lib.Box() == AlwaysEquals()  # Box.__eq__ defers to the other side
+        assert not lib.Box() != AlwaysEquals()
+
+    def test_point():
+        lib.meet(Point(1))
+        assert lib.make(1) == Point(1)
+"""
+
+_HONEST_LIB = """
+class Box:
+    def __eq__(self, other):
+        return NotImplemented
+
+
+def meet(point):
+    global _Point
+    _Point = type(point)
+
+
+def make(x):
+    return _Point(x)
+"""
+
+# The code under test reaches the test's class through the value the test handed it, then
+# swaps the class out under the test's name, or rewrites its __eq__ in place; make() returns
+# nothing like a Point. Either way `make(1) == Point(1)` holds.
+_SWAPS = {
+    "swapped_class": """
+class Box:
+    def __eq__(self, other):
+        return NotImplemented
+
+
+class _Evil:
+    def __init__(self, *args):
+        pass
+
+    def __eq__(self, other):
+        return True
+
+
+def meet(point):
+    type(point).__init__.__globals__["Point"] = _Evil
+
+
+def make(x):
+    return object()
+""",
+    "rewritten_method": """
+class Box:
+    def __eq__(self, other):
+        return NotImplemented
+
+
+def meet(point):
+    type(point).__eq__.__code__ = (lambda self, other: True).__code__
+
+
+def make(x):
+    return object()
+""",
+}
+
+
+def _plain(tmp_path: Path, lib: str, *options: str) -> dict[str, dict]:
+    tmp_path.mkdir(exist_ok=True)
+    repo, grade = _repo(tmp_path, {"lib.py": lib, "tests/test_lib.py": _INSTRUMENTS})
+    ids = ["tests/test_lib.py::test_instrument", "tests/test_lib.py::test_point"]
+    found, _ = records(_boot(repo, grade, "plain", *options, "--", *ids).stdout, b"k3y")
+    return {r["nodeid"].split("::")[1]: r for r in found if r["event"] == "plain"}
+
+
+def test_a_value_the_test_builds_from_its_own_class_is_not_vacuous(tmp_path: Path) -> None:
+    plain = _plain(tmp_path, _HONEST_LIB)
+    assert {n: (r["outcome"], r["vacuous"]) for n, r in plain.items()} == {
+        "test_instrument": ("passed", 0),
+        "test_point": ("passed", 0),
+    }
+
+
+@pytest.mark.parametrize("swap", sorted(_SWAPS))
+def test_the_code_under_test_cannot_pass_off_its_class_as_the_tests(
+    tmp_path: Path, swap: str
+) -> None:
+    plain = _plain(tmp_path / "twin", _SWAPS[swap])
+    assert plain["test_point"]["outcome"] == "passed" and plain["test_point"]["vacuous"] >= 1
+    assert plain["test_instrument"]["vacuous"] == 0
+    # Control: without the twin the swap passes as an honest test.
+    untwinned = _plain(tmp_path / "plain", _SWAPS[swap], "--no-twin")
+    assert untwinned["test_point"]["outcome"] == "passed"
+    assert "vacuous" not in untwinned["test_point"]
 
 
 def _diff(path: str, added: str) -> str:

@@ -51,7 +51,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from legorl.protocols import ContextLengthError, EngineError, GenerationRequest, TokenStep
+from legorl.protocols import (
+    ContextLengthError,
+    EngineError,
+    EngineRequestError,
+    GenerationRequest,
+    TokenStep,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -216,18 +222,18 @@ class EmbeddedEngine:
             raise EngineError("engine is closed")
         ids = request.prompt_ids
         if not ids:
-            raise EngineError("empty prompt: at least one token is needed")
+            raise EngineRequestError("empty prompt: at least one token is needed")
         if len(ids) >= self.max_context:
             raise ContextLengthError(len(ids), self.max_context)
         if request.max_tokens < 1:
-            raise EngineError(f"max_tokens must be >= 1, got {request.max_tokens}")
+            raise EngineRequestError(f"max_tokens must be >= 1, got {request.max_tokens}")
         if request.temperature < 0 or not 0 < request.top_p <= 1:
-            raise EngineError(
+            raise EngineRequestError(
                 f"need temperature >= 0 and 0 < top_p <= 1, got {request.temperature}, "
                 f"{request.top_p}"
             )
         if min(ids) < 0 or max(ids) >= self._vocab:
-            raise EngineError(f"prompt token ids must be in 0..{self._vocab - 1}")
+            raise EngineRequestError(f"prompt token ids must be in 0..{self._vocab - 1}")
 
     def _check_cache_layout(self) -> None:
         from transformers import DynamicCache

@@ -33,7 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from legorl.protocols import ContextLengthError, EngineError, GenerationRequest, TokenStep
+from legorl.protocols import (
+    ContextLengthError,
+    EngineError,
+    EngineRequestError,
+    GenerationRequest,
+    TokenStep,
+)
 
 _ENTRY_KEYS = frozenset({"text", "ids", "match", "repeat", "stop"})
 
@@ -168,7 +174,7 @@ class ForcedEngine:
 
         prompt = request.prompt_ids
         if not prompt:
-            raise EngineError("empty prompt: at least one token is needed")
+            raise EngineRequestError("empty prompt: at least one token is needed")
         if len(prompt) >= self.max_context:
             raise ContextLengthError(len(prompt), self.max_context)
         entry = self.script.take(str(self.tokenizer.decode(prompt, skip_special_tokens=False)))

@@ -62,7 +62,13 @@ from typing import Any, ClassVar, Literal
 import httpx
 
 from legorl.engines.vllm_server import VllmServer
-from legorl.protocols import ContextLengthError, EngineError, GenerationRequest, TokenStep
+from legorl.protocols import (
+    ContextLengthError,
+    EngineError,
+    EngineRequestError,
+    GenerationRequest,
+    TokenStep,
+)
 
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 _VLLM_MIN_TEMPERATURE = 0.01  # vLLM's SamplingParams raises lower (non-zero) ones to this
@@ -225,7 +231,7 @@ class VllmEngine:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[list[TokenStep]]:
         prompt = request.prompt_ids
         if not prompt:
-            raise EngineError("empty prompt: at least one token is needed")
+            raise EngineRequestError("empty prompt: at least one token is needed")
         if len(prompt) >= self.max_context:
             raise ContextLengthError(len(prompt), self.max_context)
         self._check_logprob_semantics(request)
@@ -290,20 +296,20 @@ class VllmEngine:
     def _check_logprob_semantics(self, request: GenerationRequest) -> None:
         t, top_p, mode = request.temperature, request.top_p, self.config.logprobs_mode
         if mode == "raw_logprobs" and t not in (0.0, 1.0):
-            raise EngineError(
+            raise EngineRequestError(
                 f"vLLM --logprobs-mode raw_logprobs reports log-probs at temperature 1; a "
                 f"request at temperature {t} needs a server with --logprobs-mode "
                 "processed_logprobs (and top_p = 1), and logprobs_mode set to match"
             )
         # greedy (T = 0) rows are scored at T = 1 in either mode: vLLM divides them by 1
         if mode == "processed_logprobs" and t != 0.0 and top_p < 1.0:
-            raise EngineError(
+            raise EngineRequestError(
                 "vLLM --logprobs-mode processed_logprobs reports log-probs after top-p "
                 f"(renormalised); top_p {top_p} at temperature {t} cannot be scored faithfully: "
                 "use top_p = 1, or a raw_logprobs server at temperature 1"
             )
         if mode == "processed_logprobs" and 0.0 < t < _VLLM_MIN_TEMPERATURE:
-            raise EngineError(
+            raise EngineRequestError(
                 f"vLLM raises temperatures below {_VLLM_MIN_TEMPERATURE} to it, so the "
                 f"log-probs of temperature {t} would not be the ones sampled: use temperature 0 "
                 f"(greedy) or >= {_VLLM_MIN_TEMPERATURE}"
@@ -316,6 +322,8 @@ class VllmEngine:
             "context length" in lowered or "max_model_len" in lowered
         ):
             return ContextLengthError(prompt_len, self.max_context)
+        if response.status_code in (400, 413, 422):  # what the request asked, refused
+            return EngineRequestError(f"vLLM answered {response.status_code}: {message}")
         return EngineError(f"vLLM answered {response.status_code}: {message}")
 
     def _session(self) -> tuple[httpx.AsyncClient, _Gate]:

@@ -19,9 +19,13 @@ from rich.text import Text
 from legorl.records import ENVIRONMENT_FAILURES, Sample, Trajectory, Turn
 
 BARS = "▁▂▃▄▅▆▇█"
-STATUS_STYLE = {"ok": "green", "agent_error": "yellow", "timeout": "yellow", "running": "cyan"} | {
-    s: "bold red" for s in ENVIRONMENT_FAILURES
-}
+STATUS_STYLE = {
+    "ok": "green",
+    "agent_error": "yellow",
+    "timeout": "yellow",
+    "harness_error": "yellow",
+    "running": "cyan",
+} | {s: "bold red" for s in ENVIRONMENT_FAILURES}
 PROMPT_CHARS = 3000  # decoded prompt delta shown per turn unless expanded
 
 

@@ -28,6 +28,12 @@ no client retries, so the harness stops. That session, and one whose prompt outg
 context (``context_length_exceeded``), is marked truncated: ``close_session`` and
 ``DELETE /admin/sessions/{id}`` return the reason, and the rollout records the episode as
 ``truncated``, the policy's doing, not the environment's.
+
+Closing a session returns the proxy's own record of it (``SessionReport``): the truncation, how
+many completions reached the client, and the engine failures it answered (the engine down or
+crashed; not a refusal of what a request asked, ``EngineRequestError``). The rollout decides an
+episode's environment failures on this record, never on what the harness printed or how it
+exited: the agent's commands run beside the harness and could forge either.
 """
 
 from __future__ import annotations
@@ -44,7 +50,13 @@ from typing import Any
 
 import orjson
 
-from legorl.protocols import ContextLengthError, Engine, EngineError, GenerationRequest
+from legorl.protocols import (
+    ContextLengthError,
+    Engine,
+    EngineError,
+    EngineRequestError,
+    GenerationRequest,
+)
 from legorl.proxy.chat import (
     ApiError,
     ApiName,
@@ -114,12 +126,75 @@ class Budget:
 CONTEXT_OVERFLOW = "context_length"
 
 
+_FAILURES_KEPT = 8  # engine failures a session's report keeps (the latest ones)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionReport:
+    """What the proxy itself saw of one session, returned when it closes.
+
+    ``completions`` counts the calls whose sampled tokens began to reach the client (the
+    policy's output, which the agent may have acted on); ``engine_failures`` the engine's own
+    failures the session was answered with (the latest few); ``failed_last`` says one of them
+    came after the last completion began, so the policy cannot have acted since."""
+
+    truncated: str | None = None
+    completions: int = 0
+    engine_failures: tuple[str, ...] = ()
+    failed_last: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "truncated": self.truncated,
+            "completions": self.completions,
+            "engine_failures": list(self.engine_failures),
+            "failed_last": self.failed_last,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> SessionReport:
+        """The report in a ``DELETE /admin/sessions/{id}`` answer; ``ValueError`` when malformed."""
+        if not isinstance(data, dict):
+            raise ValueError("session report: expected an object")
+        truncated, completions = data.get("truncated"), data.get("completions")
+        failures, last = data.get("engine_failures"), data.get("failed_last")
+        if truncated is not None and not isinstance(truncated, str):
+            raise ValueError("session report: truncated must be a string or null")
+        if type(completions) is not int or completions < 0:
+            raise ValueError("session report: completions must be a non-negative integer")
+        if not isinstance(failures, list) or not all(isinstance(f, str) for f in failures):
+            raise ValueError("session report: engine_failures must be a list of strings")
+        if type(last) is not bool:
+            raise ValueError("session report: failed_last must be true or false")
+        return cls(
+            truncated=truncated,
+            completions=completions,
+            engine_failures=tuple(failures),
+            failed_last=last,
+        )
+
+
 @dataclass(slots=True)
 class _Spent:
     opened: float = field(default_factory=time.monotonic)
     turns: int = 0
     tokens: int = 0
     truncated: str | None = None
+    completions: int = 0  # calls whose sampled tokens began to reach the client
+    failures: list[str] = field(default_factory=list)  # the engine's own failures, latest last
+    failed_at: int = -1  # ``completions`` when the latest engine failure happened
+
+    def engine_failed(self, err: EngineError) -> None:
+        self.failures = [*self.failures, str(err)][-_FAILURES_KEPT:]
+        self.failed_at = self.completions
+
+    def report(self) -> SessionReport:
+        return SessionReport(
+            truncated=self.truncated,
+            completions=self.completions,
+            engine_failures=tuple(self.failures),
+            failed_last=bool(self.failures) and self.failed_at == self.completions,
+        )
 
 
 @dataclass(slots=True, kw_only=True)
@@ -304,8 +379,16 @@ class ProxyCore:
             return self._json(200, {"id": sid, "route": self.open_session(sid, main_system=system)})
         if method == "DELETE" and rest.startswith("/admin/sessions/"):
             sid = rest.rsplit("/", 1)[1]
-            truncated = self.close_session(sid)
-            return self._json(200, {"id": sid, "deleted": True, "truncated": truncated})
+            report = self.close_session(sid)
+            return self._json(
+                200,
+                {
+                    "id": sid,
+                    "deleted": True,
+                    "truncated": report.truncated if report is not None else None,
+                    "report": report.to_json() if report is not None else None,
+                },
+            )
         raise ApiError(404, f"no admin route {method} {rest}", kind="not_found_error")
 
     async def load_weights(self, path: str) -> int:
@@ -338,9 +421,10 @@ class ProxyCore:
         self._granted.add(sid)
         return f"/s/{sid}~{secret}"
 
-    def close_session(self, sid: str) -> str | None:
+    def close_session(self, sid: str) -> SessionReport | None:
         """Forget a session's state and close its Turn file; its route stops working. Returns
-        why the session was truncated (a ``Budget`` field name or ``CONTEXT_OVERFLOW``), or None."""
+        the proxy's record of it (``SessionReport``; its ``truncated``: a ``Budget`` field name
+        or ``CONTEXT_OVERFLOW``), or None for a session it does not have."""
         spent = self._spent.pop(sid, None)
         self.sessions.pop(sid, None)
         self._secrets.pop(sid, None)
@@ -348,7 +432,7 @@ class ProxyCore:
         writer = self._writers.pop(sid, None)
         if writer is not None:
             writer.close()
-        return spent.truncated if spent is not None else None
+        return spent.report() if spent is not None else None
 
     def close(self) -> None:
         for sid in list(self._writers):
@@ -483,11 +567,14 @@ class ProxyCore:
         version = self.engine.policy_version
         t0 = time.perf_counter()
         first_token_s = 0.0
-        completed = False
+        completed = out_started = False
         gen = self.engine.generate(gen_req)
         try:
             try:
                 async for chunk in gen:
+                    if not out_started:
+                        out_started = True
+                        spent.completions += 1  # the policy's tokens start to go out
                     if not ids:
                         first_token_s = time.perf_counter() - t0
                         # A weight swap lets running requests finish and holds queued ones, so
@@ -504,6 +591,8 @@ class ProxyCore:
                 spent.truncated = spent.truncated or CONTEXT_OVERFLOW
                 raise ApiError(400, str(err), code="context_length_exceeded") from None
             except EngineError as err:
+                if not isinstance(err, EngineRequestError):
+                    spent.engine_failed(err)
                 raise ApiError(503, f"engine error: {err}", kind="overloaded_error") from None
             finally:
                 await gen.aclose()  # type: ignore[attr-defined]

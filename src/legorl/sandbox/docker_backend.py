@@ -68,7 +68,7 @@ from legorl.sandbox.common import (
     state_root,
     touch_usage,
 )
-from legorl.sandbox.images import missing_message, probe_script, scrub_script
+from legorl.sandbox.images import activation, missing_message, probe_script, scrub_script
 from legorl.sandbox.layers import Layer, keep_up_to, plan
 from legorl.sandbox.relay import FORWARDER, Relay, inside_port, open_relay, split_proxy_url
 from legorl.sandbox.repo import scrubbed_repo
@@ -520,12 +520,18 @@ class DockerCache:
             sha = shas[-1][0]
             env_dir = facts.get("env", "")
             path = facts.get("path") or BASE_PATH
+            try:
+                activated = activation(text)
+            except ValueError as exc:
+                raise SandboxError(f"{what}: {exc}") from None
             env_path = f"{env_dir}/bin:{path}" if env_dir else path
+            env_path = activated.pop("PATH", env_path)
             labels = {
                 "legorl.base_sha": sha,
                 "legorl.parent_id": parent["Id"],
                 "legorl.env_dir": env_dir,
                 "legorl.env_path": env_path,
+                "legorl.env_activation": json.dumps(activated, sort_keys=True),
             }
             self._commit_instance(cid, layer, labels, task, user="root")
         finally:
@@ -840,6 +846,7 @@ class DockerSandbox:
         runtime: bool,
         image: str = "",
         env_path: str = BASE_PATH,
+        env_vars: dict[str, str] | None = None,
     ) -> None:
         self.backend = backend
         self.api = backend.api
@@ -857,8 +864,11 @@ class DockerSandbox:
         self._cgroups: cgroups.CgroupSet | None = None
         self._closed = False
         self.env_path = env_path + (f":{RUNTIME_DIR}/bin" if runtime else "")
-        #: What a harness adds to a command's env: PATH with the env's venv (and the runtime).
-        self.runtime_env = {"PATH": self.env_path}
+        #: What the image's env's activation sets (``images.probe_script``), for every command.
+        self.env_vars = dict(env_vars or {})
+        #: What a harness adds to a command's env: the activated env, PATH with the env's
+        #: folder (and the runtime).
+        self.runtime_env = {**self.env_vars, "PATH": self.env_path}
         #: The OpenHands SDK's Python when the runtime is attached.
         self.openhands_python = f"{RUNTIME_DIR}/openhands/bin/python" if runtime else None
 
@@ -897,7 +907,7 @@ class DockerSandbox:
         wall_bound = left < timeout
         budget = min(timeout, left)
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        environment = {"PATH": self.env_path, **(env or {})}
+        environment = {**self.env_vars, "PATH": self.env_path, **(env or {})}
         started = time.monotonic()
         before = self._counters()
         try:
@@ -1344,6 +1354,7 @@ class DockerBackend:
         labels_img = (info.get("Config") or {}).get("Labels") or {}
         base_sha = labels_img.get("legorl.base_sha") or "HEAD"
         env_path = labels_img.get("legorl.env_path") or BASE_PATH
+        env_vars = json.loads(labels_img.get("legorl.env_activation") or "{}")
         mounts = []
         if harness_runtime:
             base_tag = reports[0].tag
@@ -1429,6 +1440,7 @@ class DockerBackend:
             runtime=harness_runtime,
             image=tag,
             env_path=env_path,
+            env_vars=env_vars,
         )
         touch_usage(tag)
         if relay is not None:

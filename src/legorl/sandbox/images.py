@@ -10,6 +10,14 @@ its git history and a conda env ``testbed`` at ``/opt/miniconda3/envs/testbed``;
 keep the repository at ``/testbed`` and a venv at ``/testbed/.venv`` or ``/root/.venv``. The
 first ``ENV_CANDIDATES`` folder with an executable ``bin/python`` leads PATH in the sandbox.
 
+A conda env (one with ``conda-meta/`` or ``etc/conda/activate.d/``) is activated as
+``conda activate`` does it, once, on the pristine image while its instance layer is built:
+``CONDA_PREFIX``, ``CONDA_DEFAULT_ENV``, ``CONDA_SHLVL`` and ``CONDA_PROMPT_MODIFIER`` set, the
+env's ``bin`` first on PATH, then each ``activate.d/*.sh`` sourced (with bash where the image
+has it). What that leaves in the environment is kept with the layer (``probe_script``'s
+``activated=`` line) and given to every command of every sandbox of the image, the agent's and
+the grader's alike; nothing an agent changes in its own sandbox reaches another.
+
 The scrub (run once per image, in a build container without network, committed as the
 instance layer) replaces the repository's git data by one commit whose tree is the working tree
 as the image has it (tracked files as they are on disk, new files that no ignore rule covers;
@@ -34,7 +42,7 @@ ENV_CANDIDATES = (
 )
 
 #: Bump when the scrub or the probe changes, so instance layers on images are built again.
-SCRUB_VERSION = 2
+SCRUB_VERSION = 3
 
 #: Exit codes of the scrub script that are the image's fault, with what they mean.
 NO_REPO, NO_BASE, NOT_CLEAN = 3, 4, 5
@@ -46,13 +54,57 @@ _IDENTITY = (
 )
 
 
-def probe_script() -> str:
-    """Shell that prints ``env=<folder>`` (or ``env=``) and ``path=<the image's PATH>``."""
-    dirs = " ".join(shlex.quote(d) for d in ENV_CANDIDATES)
+#: Run by bash (or sh) with the env's folder as ``$1``: conda's activation of it, then one
+#: ``activated=`` line, the JSON object of every variable that activation set or changed.
+_ACTIVATE = r"""prefix=$1
+name=${prefix##*/}
+snapshot() { "$prefix/bin/python" -c 'import json, os; print(json.dumps(dict(os.environ)))'; }
+before=$(snapshot)
+export CONDA_PREFIX="$prefix" CONDA_DEFAULT_ENV="$name" CONDA_SHLVL=1
+export CONDA_PROMPT_MODIFIER="($name) " PATH="$prefix/bin:$PATH"
+for script in "$prefix"/etc/conda/activate.d/*.sh; do
+  if [ -f "$script" ]; then . "$script"; fi
+done
+"$prefix/bin/python" -c '
+import json, os, sys
+before = json.loads(sys.argv[1])
+noise = {"_", "SHLVL", "PWD", "OLDPWD"}
+changed = {k: v for k, v in os.environ.items() if k not in noise and before.get(k) != v}
+print("activated=" + json.dumps(changed, sort_keys=True))
+' "$before"
+"""
+
+
+def probe_script(candidates: tuple[str, ...] = ENV_CANDIDATES) -> str:
+    """Shell that prints ``env=<folder>`` (the first of ``candidates`` with a ``bin/python``, or
+    ``env=``), ``path=<the image's PATH>`` and, for a conda env, ``activated=<JSON object>``:
+    what activating it sets (PATH included)."""
+    dirs = " ".join(shlex.quote(d) for d in candidates)
     return (
         f'found=""; for d in {dirs}; do if [ -x "$d/bin/python" ]; then found="$d"; break; fi; '
-        'done; echo "env=$found"; echo "path=$PATH"'
+        'done; echo "env=$found"; echo "path=$PATH"\n'
+        'if [ -n "$found" ] && { [ -d "$found/conda-meta" ] || '
+        '[ -d "$found/etc/conda/activate.d" ]; }; then\n'
+        "  shell=$(command -v bash || echo sh)\n"
+        f'  "$shell" -c {shlex.quote(_ACTIVATE)} activate "$found" || true\n'
+        "fi"
     )
+
+
+def activation(probe_output: str) -> dict[str, str]:
+    """The variables of the probe's ``activated=`` line (its last), or {} without one.
+    Raises ``ValueError`` for a line that is not a JSON object of strings."""
+    import json
+
+    lines = [ln for ln in probe_output.splitlines() if ln.startswith("activated=")]
+    if not lines:
+        return {}
+    value = json.loads(lines[-1].removeprefix("activated="))
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise ValueError(f"the env's activation printed {lines[-1][:120]!r}, not an object")
+    return value
 
 
 def scrub_script(base_commit: str, *, scrub: bool = True) -> str:

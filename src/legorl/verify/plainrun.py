@@ -12,6 +12,12 @@ Twin: the test module's source is compiled again with every comparison in an ``a
 the two values of ``self.assertEqual``-like calls) routed through a checker that also compares
 each side against a fresh private sentinel. Nothing equals that sentinel, nothing orders against
 it, so a comparison that holds against it proves nothing: the result is counted ``vacuous``.
+The sentinel judges values the code under test could have made, not the test's own
+instruments: a side that the test builds right there, as a call of a class its own module
+defines (toolz's ``composed == AlwaysEquals()`` checks that ``Compose.__eq__`` defers), is
+skipped when every comparison method of the value's type is ``object``'s or a function compiled
+by the twin from the test file itself (the very code object, not an equal one). A value the
+code under test returns, or a class it swapped in under the test's name, is still judged.
 
 Audit: before any repository code is imported, `audit` installs a ``sys.addaudithook`` hook
 (which Python cannot remove) refusing what reaches the signer, which lives only in the
@@ -69,29 +75,63 @@ def _holds(fn):
         return False
 
 
+_COMPARISONS = ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__")
+
+
+def _code_objects(code):
+    """``code`` and every code object nested in it, by identity."""
+    found, stack = {}, [code]
+    while stack:
+        item = stack.pop()
+        found[id(item)] = item
+        stack.extend(c for c in item.co_consts if isinstance(c, types.CodeType))
+    return found
+
+
 class Twin:
     """Counts comparisons that would also hold against the sentinel."""
 
     def __init__(self):
         self.vacuous = 0
         self.sentinel = _Nothing()
+        self.codes = {}  # the twin module's code objects, by id: the test file's own code
 
-    def vacuous_pair(self, op, a, b):
+    def own(self, value):
+        """Whether every comparison method of ``value``'s type, found as Python finds it (the
+        type's MRO, no attribute hooks), is ``object``'s or the test file's own code."""
+        mro = type.__dict__["__mro__"].__get__(type(value))
+        spaces = [type.__dict__["__dict__"].__get__(k) for k in mro]
+        for name in _COMPARISONS:
+            found = next((space[name] for space in spaces if name in space), None)
+            if found is None or found is getattr(object, name):
+                continue
+            if not isinstance(found, types.FunctionType):
+                return False
+            code = found.__code__
+            if self.codes.get(id(code)) is not code:
+                return False
+        return True
+
+    def vacuous_pair(self, op, a, b, built_a=False, built_b=False):
         s = self.sentinel
+        judge_a = not (built_a and self.own(a))
+        judge_b = not (built_b and self.own(b))
         if op == "eq":
-            return _holds(lambda: a == s) or _holds(lambda: s == b)
+            return (judge_a and _holds(lambda: a == s)) or (judge_b and _holds(lambda: s == b))
         if op == "ne":
             # Unequal and equal at once, or unequal to itself while equal to itself.
-            return _holds(lambda: a == b) or _holds(lambda: a != a and a == a)
+            return _holds(lambda: a == b) or (judge_a and _holds(lambda: a != a and a == a))
         compare = {
             "lt": lambda x, y: x < y,
             "le": lambda x, y: x <= y,
             "gt": lambda x, y: x > y,
             "ge": lambda x, y: x >= y,
         }[op]
-        return _holds(lambda: compare(a, s)) or _holds(lambda: compare(s, b))
+        return (judge_a and _holds(lambda: compare(a, s))) or (
+            judge_b and _holds(lambda: compare(s, b))
+        )
 
-    def compare(self, op, a, b):
+    def compare(self, op, a, b, built_a=False, built_b=False):
         result = {
             "eq": lambda: a == b,
             "ne": lambda: a != b,
@@ -100,23 +140,33 @@ class Twin:
             "gt": lambda: a > b,
             "ge": lambda: a >= b,
         }[op]()
-        if _holds(lambda: result) and self.vacuous_pair(op, a, b):
+        if _holds(lambda: result) and self.vacuous_pair(op, a, b, built_a, built_b):
             self.vacuous += 1
         return result
 
-    def pair(self, op, a, b):
-        if self.vacuous_pair(op, a, b):
+    def pair(self, op, a, b, built_a=False, built_b=False):
+        if self.vacuous_pair(op, a, b, built_a, built_b):
             self.vacuous += 1
         return a, b
 
 
 class _Instrument(ast.NodeTransformer):
-    def __init__(self, name):
+    def __init__(self, name, classes=frozenset()):
         self.name = name
+        self.classes = classes  # the classes the test module defines at its top level
 
     def _call(self, attr, args):
         func = ast.Attribute(ast.Name(self.name, ast.Load()), attr, ast.Load())
         return ast.Call(func, args, [])
+
+    def built(self, node):
+        """Whether ``node`` is the test building a value of its own class, right there."""
+        own = isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+        return ast.Constant(own and node.func.id in self.classes)
+
+    def compare_call(self, attr, op, left, right):
+        args = [ast.Constant(op), left, right, self.built(left), self.built(right)]
+        return self._call(attr, args)
 
     def visit_Assert(self, node):
         node.test = _InAssert(self).visit(node.test)
@@ -127,7 +177,7 @@ class _Instrument(ast.NodeTransformer):
         func = node.func
         op = _EQ_CALLS.get(func.attr) if isinstance(func, ast.Attribute) else None
         if op and len(node.args) >= 2 and not any(isinstance(a, ast.Starred) for a in node.args):
-            pair = self._call("pair", [ast.Constant(op), node.args[0], node.args[1]])
+            pair = self.compare_call("pair", op, node.args[0], node.args[1])
             node.args = [ast.Starred(pair, ast.Load()), *node.args[2:]]
         return node
 
@@ -141,7 +191,7 @@ class _InAssert(ast.NodeTransformer):
         op = _OPS.get(type(node.ops[0])) if len(node.ops) == 1 else None
         if op is None:
             return node
-        return self.outer._call("compare", [ast.Constant(op), node.left, node.comparators[0]])
+        return self.outer.compare_call("compare", op, node.left, node.comparators[0])
 
 
 class Refused(RuntimeError):
@@ -366,10 +416,13 @@ def _twin_module(module, full, twin):
     with open(full, encoding="utf-8") as fh:
         tree = ast.parse(fh.read(), full)
     name = "_twin_" + os.urandom(6).hex()
-    tree = ast.fix_missing_locations(_Instrument(name).visit(tree))
+    classes = frozenset(n.name for n in tree.body if isinstance(n, ast.ClassDef))
+    tree = ast.fix_missing_locations(_Instrument(name, classes).visit(tree))
+    code = compile(tree, full, "exec")
+    twin.codes = _code_objects(code)
     again = types.ModuleType(module.__name__)
     vars(again).update(__file__=full, **{name: twin})
-    exec(compile(tree, full, "exec"), vars(again))
+    exec(code, vars(again))
     return again
 
 

@@ -1,0 +1,100 @@
+"""A harness's claim of an environment failure, forged by the agent, through `legorl rollout`
+with real harness binaries in Docker sandboxes.
+
+The agent's commands run beside its harness, so the policy could hide a bad episode from
+training by making it look like the environment's fault: print what the harness prints when
+the proxy fails, into the harness's own output, and kill the harness. Here the `forced` engine
+(a fake shipping in the package: scripted completions, log-probs from a real forward pass of
+the tiny model) asks each harness's shell tool to do exactly that. Each adapter is fooled (the
+claim in the evidence is the forged one), and the rollout still records the episode as
+``harness_error``, the policy's outcome, which `legorl verify` grades. The controls are real
+proxy errors: the engine fails the harness's next call after the policy's first completion,
+and the episode stays ``proxy_error``, masked. Under CI=true a missing Docker daemon fails.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+from test_rollout_harnesses import TITLE, _fix_command, _legorl, _task, rollout_with, shell_call
+
+from legorl.records import ENVIRONMENT_FAILURES, Trajectory, read_jsonl
+
+# Run by the agent's shell tool: walk up from itself to the process the sandbox's exec started
+# (the limit's ``timeout``, whose parent is outside the sandbox's PID namespace), write the
+# forged text into the harness's own stdout, then kill every process between.
+_FORGE = """import os, signal, sys
+def up(pid):
+    return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+chain = [os.getpid()]
+while up(chain[-1]) > 0:
+    chain.append(up(chain[-1]))
+with open(f"/proc/{chain[-2]}/fd/1", "w") as out:
+    out.write(sys.argv[1] + "\\n")
+for pid in chain[1:-1]:
+    os.kill(pid, signal.SIGKILL)
+"""
+
+#: What each adapter reads as the proxy failing (its own report of an API error), and what it
+#: then claims.
+_FORGERIES = {
+    "claude-code": (
+        '{"type": "result", "subtype": "success", "is_error": true, '
+        '"api_error_status": 500, "result": "API Error: 500 upstream failed"}',
+        "proxy_error",
+    ),
+    "opencode": ("Error: APIError: Cannot connect to API: upstream failed", "proxy_error"),
+    "qwen-code": (
+        '[{"type": "result", "subtype": "error_during_execution", "is_error": true, '
+        '"error": {"message": "API Error: Connection error."}}]',
+        "proxy_error",
+    ),
+    "mini": ("", "harness_crash"),  # its exit code is its report: killed, it "crashed"
+}
+
+
+@pytest.mark.parametrize("harness", sorted(_FORGERIES))
+def test_a_forged_environment_failure_is_the_policys_outcome(tmp_path: Path, harness: str) -> None:
+    text, claim = _FORGERIES[harness]
+    forge = f"python3 -c {shlex.quote(_FORGE)} {shlex.quote(text)}"
+    script = [
+        TITLE,
+        {"match": "rectangle_area", "text": shell_call(harness, forge)},
+        {"text": "Done.", "repeat": True},  # never asked: the harness is dead by then
+    ]
+    traj = rollout_with(tmp_path, harness, script)
+    assert traj.status == "harness_error", traj.evidence
+    assert traj.status not in ENVIRONMENT_FAILURES
+    why = traj.evidence["uncorroborated"]
+    # The attack fooled the adapter: the claim is the forged one ...
+    assert f"the harness reported {claim} after " in why, why
+    assert traj.evidence["exit_code"] == 137  # SIGKILL, under the sandbox's `timeout`
+    if text:
+        assert text in traj.evidence["log_tail"]
+    # ... and the episode is graded like any failed attempt, kept for training.
+    graded = _legorl(
+        "verify", "traj.jsonl", "--tasks", "tasks.jsonl", "--out", "graded.jsonl", cwd=tmp_path
+    )
+    assert graded.returncode == 0, graded.stderr[-3000:]
+    (result,) = read_jsonl(tmp_path / "graded.jsonl", Trajectory)
+    assert result.reward == 0.0, result.verdict
+
+
+@pytest.mark.parametrize("harness", ["mini", "codex"])
+def test_an_engine_failure_after_the_policy_acted_stays_a_proxy_error(
+    tmp_path: Path, harness: str
+) -> None:
+    # The first completion applies the fix; nothing is scripted after it, so the forced engine
+    # fails the harness's next call (503), as an engine that went down does.
+    script = [
+        TITLE,
+        {"match": "rectangle_area", "text": shell_call(harness, _fix_command(_task()))},
+    ]
+    traj = rollout_with(tmp_path, harness, script)
+    assert traj.status == "proxy_error", traj.evidence
+    assert "uncorroborated" not in traj.evidence
+    assert "the engine failed the session's last call" in traj.evidence["corroborated"]
+    assert "no scripted completion left" in traj.evidence["corroborated"]
+    assert traj.patch == _task().patch  # the policy did act: the failure came after
