@@ -6,7 +6,9 @@
     python -I -B /tmp/legorl-grade/boot-….py unittest SINK [OPTIONS] -- SCRIPT ARGS < key
     python -I -B /tmp/legorl-grade/boot-….py unittest SINK [OPTIONS] -- -m MODULE ARGS < key
 
-OPTIONS: ``--no-integrity``, ``--no-twin``, ``--no-audit``, ``--watch=FILE`` (a JSON list of the test ids whose
+OPTIONS: ``--no-integrity``, ``--no-twin``, ``--no-audit``, ``--ctypes`` (``plain``: let
+``_ctypes`` be imported), ``--django=FOLDER:SETTINGS`` (``plain``: Django's test settings
+first, `plainrun.django_setup`), ``--watch=FILE`` (a JSON list of the test ids whose
 outcomes are recorded one by one; the others are only counted), ``--log=FILE`` (where the run's
 own stdout and stderr go).
 
@@ -110,10 +112,14 @@ def main():
     repo = os.getcwd()
     plain = _load(os.path.join(here, "plainrun.py"), "_legorl_" + secrets.token_hex(8))
     if mode == "plain":
-        refused = [] if "--no-audit" in options else plain.audit()
+        ctypes = "--ctypes" in options
+        refused = [] if "--no-audit" in options else plain.audit(ctypes=ctypes)
         sys.path.append(repo)
         twin = "--no-twin" not in options
-        sys.exit(plain.run(args, emit, repo=repo, twin=twin, refused=refused))
+        setup = None
+        if "django" in settings:
+            setup = lambda: plain.django_setup(repo, settings["django"], args)  # noqa: E731
+        sys.exit(plain.run(args, emit, repo=repo, twin=twin, refused=refused, setup=setup))
     watch = None
     if "watch" in settings:
         with open(settings["watch"], encoding="utf-8") as fh:
