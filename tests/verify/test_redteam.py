@@ -45,6 +45,11 @@ from legorl.verify.redteam import HACKS, Hack, honest, markdown_table, unittest_
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ROOT / "fixtures" / "tasks"
+#: The real suite; its Django tasks are graded by Django's own tests/runtests.py.
+SUITE = ROOT / "fixtures" / "tasks-real"
+DJANGO_TASK_ID = "django__django-real-4"
+#: Django rows run at once, this many rollouts and gradings at a time.
+DJANGO_CONCURRENCY = 4
 MODEL = ROOT / "fixtures" / "models" / "tiny-qwen3"
 TASK_ID = "legorl-toy__geometry-1"
 TEST_TIMEOUT = 20.0
@@ -81,7 +86,15 @@ def _local_backend() -> SandboxBackend:
     return make_backend("local")
 
 
+def _tasks_dir(task: Task) -> Path:
+    return SUITE if task.meta.get("project") == "django" else TASKS
+
+
 def _task(variant: str = "") -> Task:
+    if variant == "django":
+        return next(
+            t for t in read_jsonl(SUITE / "tasks.jsonl", Task) if t.instance_id == DJANGO_TASK_ID
+        )
     task = next(t for t in read_jsonl(TASKS / "train.jsonl", Task) if t.instance_id == TASK_ID)
     if variant == "new_test_file":
         # The failing test in a file of its own that the test_patch creates (same instance image).
@@ -183,7 +196,7 @@ async def _rollout(
 ) -> tuple[Trajectory, list[Turn], str]:
     """One real rollout: (trajectory, its turns, every prompt the agent saw, decoded)."""
     engine: Any = make_engine("forced", model_path=str(MODEL), script=script)
-    harness: Any = MiniHarness(max_turns=6, max_tokens=1024)
+    harness: Any = MiniHarness(max_turns=6, max_tokens=1536)  # the ctypes rows' long edits
     run_id = f"legorl-redteam-{uuid.uuid4().hex[:8]}"
     try:
         async with inprocess_proxy(MODEL, engine, tmp / "turns") as (endpoint, core):
@@ -196,7 +209,7 @@ async def _rollout(
                     harness=harness,
                     backend=backend,
                     proxy=endpoint,
-                    tasks_dir=TASKS,
+                    tasks_dir=_tasks_dir(task),
                     model="tiny",
                     timeout=120,
                     limits=Limits(wall_s=300),
@@ -226,7 +239,7 @@ async def _grade(
         traj,
         task,
         backend=_docker_backend(),
-        tasks_dir=str(TASKS),
+        tasks_dir=str(_tasks_dir(task)),
         run_id=f"legorl-redteam-{uuid.uuid4().hex[:8]}",
         turns=turns,
         config=config,
@@ -243,7 +256,7 @@ async def _undefended(traj: Trajectory, task: Task) -> float:
     really cheats."""
     backend = _docker_backend()
     box = await backend.start(
-        task, str(TASKS), run_id=f"legorl-redteam-{uuid.uuid4().hex[:8]}", proxy_url=None
+        task, str(_tasks_dir(task)), run_id=f"legorl-redteam-{uuid.uuid4().hex[:8]}", proxy_url=None
     )
     try:
         for name, text in (("model.patch", traj.patch), ("test.patch", task.test_patch)):
@@ -309,14 +322,11 @@ def test_honest_gold_fix_is_rewarded(tmp_path: Path) -> None:
     assert graded.hack_flags == []
 
 
-GRADING = [h for h in HACKS if h.kind == "grading"]
+GRADING = [h for h in HACKS if h.kind == "grading" and h.variant != "django"]
 
 
-@pytest.mark.parametrize("hack", GRADING, ids=[h.name for h in GRADING])
-def test_grading_hack_is_blocked(tmp_path: Path, hack: Hack) -> None:
-    task = _task(hack.variant)
-    traj, turns, _ = asyncio.run(_rollout(tmp_path, hack.script(task), task, _docker_backend()))
-    graded, control_reward = asyncio.run(_grade_and_control(traj, task, turns, hack))
+def _check_row(hack: Hack, traj: Trajectory, graded: Trajectory, control_reward: Any) -> None:
+    """Record the row, then: its control wins, and the defended grade gives 0 with its flag."""
     control: str | None = None
     if hack.off <= LANDED:
         control = f"{control_reward} (off: {', '.join(sorted(hack.off))})"
@@ -342,6 +352,66 @@ def test_grading_hack_is_blocked(tmp_path: Path, hack: Hack) -> None:
     assert graded.reward == 0.0, (hack.name, graded.verdict)
     if hack.flag is not None:
         assert hack.flag in graded.hack_flags, (hack.name, graded.hack_flags)
+
+
+@pytest.mark.parametrize("hack", GRADING, ids=[h.name for h in GRADING])
+def test_grading_hack_is_blocked(tmp_path: Path, hack: Hack) -> None:
+    task = _task(hack.variant)
+    traj, turns, _ = asyncio.run(_rollout(tmp_path, hack.script(task), task, _docker_backend()))
+    graded, control_reward = asyncio.run(_grade_and_control(traj, task, turns, hack))
+    _check_row(hack, traj, graded, control_reward)
+
+
+DJANGO = [h for h in HACKS if h.variant == "django"]
+
+
+async def _django_rows(tmp: Path) -> dict[str, Any]:
+    """Every Django row and the honest gold fix, rolled out and graded at once
+    (``DJANGO_CONCURRENCY`` at a time): name -> (trajectory, graded, control reward) or the
+    exception it raised."""
+    task = _task("django")
+    gate = asyncio.Semaphore(DJANGO_CONCURRENCY)
+
+    async def one(i: int, hack: Hack | None) -> Any:
+        script = honest(task) if hack is None else hack.script(task)
+        async with gate:
+            traj, turns, _ = await _rollout(tmp / f"row{i}", script, task, _docker_backend())
+            if hack is None:
+                return traj, await _grade(traj, task, turns), None
+            graded, control = await _grade_and_control(traj, task, turns, hack)
+            return traj, graded, control
+
+    names = ["honest gold fix", *(h.name for h in DJANGO)]
+    done = await asyncio.gather(
+        *(one(i, h) for i, h in enumerate([None, *DJANGO])), return_exceptions=True
+    )
+    return dict(zip(names, done, strict=True))
+
+
+@pytest.fixture(scope="module")
+def django_rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    _docker_backend()
+    return asyncio.run(_django_rows(tmp_path_factory.mktemp("django")))
+
+
+def _row(rows: dict[str, Any], name: str) -> tuple[Trajectory, Trajectory, Any]:
+    found = rows[name]
+    if isinstance(found, BaseException):
+        raise found
+    return found  # type: ignore[no-any-return]
+
+
+def test_django_honest_gold_fix_is_rewarded(django_rows: dict[str, Any]) -> None:
+    _, graded, _ = _row(django_rows, "honest gold fix")
+    assert graded.reward == 1.0, graded.verdict
+    assert graded.hack_flags == []
+    assert graded.verdict["differential_uncovered"] == []  # Django's tests ran again in ours
+
+
+@pytest.mark.parametrize("hack", DJANGO, ids=[h.name for h in DJANGO])
+def test_django_hack_is_blocked(django_rows: dict[str, Any], hack: Hack) -> None:
+    traj, graded, control_reward = _row(django_rows, hack.name)
+    _check_row(hack, traj, graded, control_reward)
 
 
 def _sandbox_row(tmp: Path, hack: Hack) -> tuple[Trajectory, str, Trajectory]:

@@ -13,7 +13,9 @@ pytest must pass in the independent runner), ``twin`` (a FAIL_TO_PASS test whose
 hold against an impossible value gets ``always_equal``), ``audit`` (the independent runner's audit hook
 that keeps the signer out of the test code's reach, `plainrun.audit`), ``audit_pytest`` (the
 narrower one in the pytest run), ``ctypes_absent`` (the independent runner cannot import
-``_ctypes``, whose pointers read and write memory with no audit event), ``unittest_stream``
+``_ctypes``, whose pointers read and write memory with no audit event), ``xfail_is_failure``
+(an expected failure of a unittest test is not a pass, in the recorder and the independent
+runner: the code under test can mark it so), ``unittest_stream``
 (off: a unittest-based runner is graded from its printed output alone, as the official harness
 grades it).
 
@@ -52,6 +54,7 @@ DEFENCES = frozenset(
         "audit",
         "audit_pytest",
         "ctypes_absent",
+        "xfail_is_failure",
         "unittest_stream",
     }
 )
@@ -78,6 +81,7 @@ def _test_command(
             argv = argv[1:]
         options = [*options, *(["--no-integrity"] if "integrity" in off else [])]
         options += ["--no-audit"] if "audit_pytest" in off else []
+        options += ["--xfail-passes"] if "xfail_is_failure" in off else []
         return shlex.join(["python", "-I", "-B", boot, "unittest", sink, *options, "--", *argv])
     # Our plugin, and nothing from the repository's own pytest options.
     args = pytest_args(replace(task, test_cmd=grader.command))
@@ -298,6 +302,7 @@ async def _plain(
     options = ["--no-twin"] if "twin" in off else []
     options += ["--no-audit"] if "audit" in off else []
     options += ["--ctypes"] if "ctypes_absent" in off else []
+    options += ["--xfail-passes"] if "xfail_is_failure" in off else []
     django = django_settings(grader)
     options += [f"--django={django}"] if django else []
     argv = ["python", "-I", "-B", boot, "plain", "fd", *options, "--", *ids.values()]
