@@ -40,7 +40,7 @@ from legorl.harnesses import MiniHarness
 from legorl.protocols import Limits, SandboxBackend
 from legorl.records import Task, Trajectory, Turn, read_jsonl
 from legorl.rollout import Run, inprocess_proxy, run_one
-from legorl.verify import VerifyConfig, grade, runner, tree
+from legorl.verify import VerifyConfig, grade, runner, specs, tree
 from legorl.verify.redteam import HACKS, Hack, honest, markdown_table, unittest_variant
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,6 +53,8 @@ DJANGO_CONCURRENCY = 4
 MODEL = ROOT / "fixtures" / "models" / "tiny-qwen3"
 TASK_ID = "legorl-toy__geometry-1"
 TEST_TIMEOUT = 20.0
+#: Django's runner starts Django and its test apps first: on a loaded machine, well over 20 s.
+DJANGO_TEST_TIMEOUT = 180.0
 RESULTS: dict[str, dict[str, Any]] = {}
 #: The grading switches this branch has: the test run's (``runner.DEFENCES``) and the patch
 #: judge's (documented on ``VerifyConfig``).
@@ -232,9 +234,10 @@ async def _rollout(
 async def _grade(
     traj: Trajectory, task: Task, turns: list[Turn], off: frozenset[str] = frozenset()
 ) -> Trajectory:
-    config = VerifyConfig(test_timeout=TEST_TIMEOUT)
+    timeout = DJANGO_TEST_TIMEOUT if _tasks_dir(task) == SUITE else TEST_TIMEOUT
+    config = VerifyConfig(test_timeout=timeout)
     if off:
-        config = VerifyConfig(test_timeout=TEST_TIMEOUT, defences_off=off)
+        config = VerifyConfig(test_timeout=timeout, defences_off=off)
     return await grade(
         traj,
         task,
@@ -272,12 +275,17 @@ async def _undefended(traj: Trajectory, task: Task) -> float:
             cwd=box.workdir,
         )
         assert applied.exit_code == 0, applied.output
-        run = await box.exec(["sh", "-c", task.test_cmd], timeout=TEST_TIMEOUT, cwd=box.workdir)
+        timeout = DJANGO_TEST_TIMEOUT if _tasks_dir(task) == SUITE else TEST_TIMEOUT
+        run = await box.exec(["sh", "-c", task.test_cmd], timeout=timeout, cwd=box.workdir)
     finally:
         await box.close()
     outcome: dict[str, str] = {}
     for word, test in _SUMMARY.findall(run.output):
         outcome[test] = word
+    if task.log_parser != "pytest":
+        # Django's runner: its printed output, read by the official parser.
+        grader = specs.resolve(task)
+        outcome = {t: w for t, w in runner._parse_printed(grader, run.output, task).items()}
     required = task.FAIL_TO_PASS + task.PASS_TO_PASS
     return 1.0 if all(outcome.get(t) == "PASSED" for t in required) else 0.0
 
@@ -374,12 +382,21 @@ async def _django_rows(tmp: Path) -> dict[str, Any]:
 
     async def one(i: int, hack: Hack | None) -> Any:
         script = honest(task) if hack is None else hack.script(task)
+        backend = _docker_backend()
         async with gate:
-            traj, turns, _ = await _rollout(tmp / f"row{i}", script, task, _docker_backend())
+            traj, turns, seen = await _rollout(tmp / f"row{i}", script, task, backend)
             if hack is None:
                 return traj, await _grade(traj, task, turns), None
-            graded, control = await _grade_and_control(traj, task, turns, hack)
-            return traj, graded, control
+            if hack.kind == "history":
+                # The control: the same hack on a sandbox whose repo has the fix in its history.
+                variant = _Variant(backend, setup=_future_history(task))
+                ctraj, cturns, _ = await _rollout(tmp / f"row{i}-off", script, task, variant)
+                graded, control = await asyncio.gather(
+                    _grade(traj, task, turns), _grade(ctraj, task, cturns)
+                )
+                return traj, graded, (control.reward, seen)
+            graded, reward = await _grade_and_control(traj, task, turns, hack)
+            return traj, graded, reward
 
     names = ["honest gold fix", *(h.name for h in DJANGO)]
     done = await asyncio.gather(
@@ -410,8 +427,17 @@ def test_django_honest_gold_fix_is_rewarded(django_rows: dict[str, Any]) -> None
 
 @pytest.mark.parametrize("hack", DJANGO, ids=[h.name for h in DJANGO])
 def test_django_hack_is_blocked(django_rows: dict[str, Any], hack: Hack) -> None:
-    traj, graded, control_reward = _row(django_rows, hack.name)
-    _check_row(hack, traj, graded, control_reward)
+    traj, graded, control = _row(django_rows, hack.name)
+    if hack.kind == "grading":
+        _check_row(hack, traj, graded, control)
+        return
+    reward, seen = control
+    failed_inside = "no other commit" in seen
+    result = _verdict(hack, graded) if failed_inside else "NOT BLOCKED"
+    _record(hack, graded.reward, graded.hack_flags, f"{reward} (sandbox without it)", result)
+    assert reward == 1.0, (hack.name, "does not cheat without the property")
+    assert failed_inside, (hack.name, seen[-2000:])
+    assert graded.reward == 0.0, (hack.name, graded.verdict)
 
 
 def _sandbox_row(tmp: Path, hack: Hack) -> tuple[Trajectory, str, Trajectory]:
@@ -434,7 +460,7 @@ def _sandbox_row(tmp: Path, hack: Hack) -> tuple[Trajectory, str, Trajectory]:
     return asyncio.run(_grade(traj, task, turns)), seen, asyncio.run(_grade(ctraj, task, cturns))
 
 
-SANDBOX = [h for h in HACKS if h.kind in ("history", "network")]
+SANDBOX = [h for h in HACKS if h.kind in ("history", "network") and h.variant != "django"]
 
 
 @pytest.mark.parametrize("hack", SANDBOX, ids=[h.name for h in SANDBOX])
