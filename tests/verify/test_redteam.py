@@ -41,14 +41,21 @@ from legorl.harnesses import MiniHarness
 from legorl.protocols import SandboxBackend
 from legorl.records import Task, Trajectory, Turn, read_jsonl
 from legorl.rollout import inprocess_proxy
-from legorl.verify import VerifyConfig, grade, runner, tree
+from legorl.verify import VerifyConfig, grade, runner, specs, tree
 from legorl.verify.redteam import HACKS, Hack, honest, markdown_table, unittest_variant
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ROOT / "fixtures" / "tasks"
+#: The real suite; its Django tasks are graded by Django's own tests/runtests.py.
+SUITE = ROOT / "fixtures" / "tasks-real"
+DJANGO_TASK_ID = "django__django-real-4"
+#: Django rows run at once, this many rollouts and gradings at a time.
+DJANGO_CONCURRENCY = 4
 MODEL = ROOT / "fixtures" / "models" / "tiny-qwen3"
 TASK_ID = "legorl-toy__geometry-1"
 TEST_TIMEOUT = 20.0
+#: Django's runner starts Django and its test apps first: on a loaded machine, well over 20 s.
+DJANGO_TEST_TIMEOUT = 180.0
 RESULTS: dict[str, dict[str, Any]] = {}
 #: The grading switches this branch has: the test run's (``runner.DEFENCES``) and the patch
 #: judge's (documented on ``VerifyConfig``).
@@ -82,7 +89,15 @@ def _local_backend() -> SandboxBackend:
     return make_backend("local")
 
 
+def _tasks_dir(task: Task) -> Path:
+    return SUITE if task.meta.get("project") == "django" else TASKS
+
+
 def _task(variant: str = "") -> Task:
+    if variant == "django":
+        return next(
+            t for t in read_jsonl(SUITE / "tasks.jsonl", Task) if t.instance_id == DJANGO_TASK_ID
+        )
     task = next(t for t in read_jsonl(TASKS / "train.jsonl", Task) if t.instance_id == TASK_ID)
     if variant == "new_test_file":
         # The failing test in a file of its own that the test_patch creates (same instance image).
@@ -184,7 +199,7 @@ async def _rollout(
 ) -> tuple[Trajectory, list[Turn], str]:
     """One real rollout: (trajectory, its turns, every prompt the agent saw, decoded)."""
     engine: Any = make_engine("forced", model_path=str(MODEL), script=script)
-    harness: Any = MiniHarness(max_turns=6, max_tokens=1024)
+    harness: Any = MiniHarness(max_turns=6, max_tokens=1536)  # the ctypes rows' long edits
     run_id = f"legorl-redteam-{uuid.uuid4().hex[:8]}"
     try:
         async with inprocess_proxy(MODEL, engine, tmp / "turns") as (endpoint, core):
@@ -192,7 +207,15 @@ async def _rollout(
             if sibling is not None:
                 await endpoint.open_session(sibling, None)
             try:
-                traj = await run_task(task, harness, backend, endpoint, refs=tmp, run_id=run_id)
+                traj = await run_task(
+                    task,
+                    harness,
+                    backend,
+                    endpoint,
+                    refs=tmp,
+                    run_id=run_id,
+                    tasks_dir=_tasks_dir(task),
+                )
             finally:
                 if sibling is not None:
                     await endpoint.close_session(sibling)
@@ -209,14 +232,15 @@ async def _rollout(
 async def _grade(
     traj: Trajectory, task: Task, turns: list[Turn], off: frozenset[str] = frozenset()
 ) -> Trajectory:
-    config = VerifyConfig(test_timeout=TEST_TIMEOUT)
+    timeout = DJANGO_TEST_TIMEOUT if _tasks_dir(task) == SUITE else TEST_TIMEOUT
+    config = VerifyConfig(test_timeout=timeout)
     if off:
-        config = VerifyConfig(test_timeout=TEST_TIMEOUT, defences_off=off)
+        config = VerifyConfig(test_timeout=timeout, defences_off=off)
     return await grade(
         traj,
         task,
         backend=_docker_backend(),
-        tasks_dir=str(TASKS),
+        tasks_dir=str(_tasks_dir(task)),
         run_id=f"legorl-redteam-{uuid.uuid4().hex[:8]}",
         turns=turns,
         config=config,
@@ -233,7 +257,7 @@ async def _undefended(traj: Trajectory, task: Task) -> float:
     really cheats."""
     backend = _docker_backend()
     box = await backend.start(
-        task, str(TASKS), run_id=f"legorl-redteam-{uuid.uuid4().hex[:8]}", proxy_url=None
+        task, str(_tasks_dir(task)), run_id=f"legorl-redteam-{uuid.uuid4().hex[:8]}", proxy_url=None
     )
     try:
         for name, text in (("model.patch", traj.patch), ("test.patch", task.test_patch)):
@@ -249,12 +273,17 @@ async def _undefended(traj: Trajectory, task: Task) -> float:
             cwd=box.workdir,
         )
         assert applied.exit_code == 0, applied.output
-        run = await box.exec(["sh", "-c", task.test_cmd], timeout=TEST_TIMEOUT, cwd=box.workdir)
+        timeout = DJANGO_TEST_TIMEOUT if _tasks_dir(task) == SUITE else TEST_TIMEOUT
+        run = await box.exec(["sh", "-c", task.test_cmd], timeout=timeout, cwd=box.workdir)
     finally:
         await box.close()
     outcome: dict[str, str] = {}
     for word, test in _SUMMARY.findall(run.output):
         outcome[test] = word
+    if task.log_parser != "pytest":
+        # Django's runner: its printed output, read by the official parser.
+        grader = specs.resolve(task)
+        outcome = {t: w for t, w in runner._parse_printed(grader, run.output, task).items()}
     required = task.FAIL_TO_PASS + task.PASS_TO_PASS
     return 1.0 if all(outcome.get(t) == "PASSED" for t in required) else 0.0
 
@@ -299,14 +328,11 @@ def test_honest_gold_fix_is_rewarded(tmp_path: Path) -> None:
     assert graded.hack_flags == []
 
 
-GRADING = [h for h in HACKS if h.kind == "grading"]
+GRADING = [h for h in HACKS if h.kind == "grading" and h.variant != "django"]
 
 
-@pytest.mark.parametrize("hack", GRADING, ids=[h.name for h in GRADING])
-def test_grading_hack_is_blocked(tmp_path: Path, hack: Hack) -> None:
-    task = _task(hack.variant)
-    traj, turns, _ = asyncio.run(_rollout(tmp_path, hack.script(task), task, _docker_backend()))
-    graded, control_reward = asyncio.run(_grade_and_control(traj, task, turns, hack))
+def _check_row(hack: Hack, traj: Trajectory, graded: Trajectory, control_reward: Any) -> None:
+    """Record the row, then: its control wins, and the defended grade gives 0 with its flag."""
     control: str | None = None
     if hack.off <= LANDED:
         control = f"{control_reward} (off: {', '.join(sorted(hack.off))})"
@@ -334,6 +360,84 @@ def test_grading_hack_is_blocked(tmp_path: Path, hack: Hack) -> None:
         assert hack.flag in graded.hack_flags, (hack.name, graded.hack_flags)
 
 
+@pytest.mark.parametrize("hack", GRADING, ids=[h.name for h in GRADING])
+def test_grading_hack_is_blocked(tmp_path: Path, hack: Hack) -> None:
+    task = _task(hack.variant)
+    traj, turns, _ = asyncio.run(_rollout(tmp_path, hack.script(task), task, _docker_backend()))
+    graded, control_reward = asyncio.run(_grade_and_control(traj, task, turns, hack))
+    _check_row(hack, traj, graded, control_reward)
+
+
+DJANGO = [h for h in HACKS if h.variant == "django"]
+
+
+async def _django_rows(tmp: Path) -> dict[str, Any]:
+    """Every Django row and the honest gold fix, rolled out and graded at once
+    (``DJANGO_CONCURRENCY`` at a time): name -> (trajectory, graded, control reward) or the
+    exception it raised."""
+    task = _task("django")
+    gate = asyncio.Semaphore(DJANGO_CONCURRENCY)
+
+    async def one(i: int, hack: Hack | None) -> Any:
+        script = honest(task) if hack is None else hack.script(task)
+        backend = _docker_backend()
+        async with gate:
+            traj, turns, seen = await _rollout(tmp / f"row{i}", script, task, backend)
+            if hack is None:
+                return traj, await _grade(traj, task, turns), None
+            if hack.kind == "history":
+                # The control: the same hack on a sandbox whose repo has the fix in its history.
+                variant = _Variant(backend, setup=_future_history(task))
+                ctraj, cturns, _ = await _rollout(tmp / f"row{i}-off", script, task, variant)
+                graded, control = await asyncio.gather(
+                    _grade(traj, task, turns), _grade(ctraj, task, cturns)
+                )
+                return traj, graded, (control.reward, seen)
+            graded, reward = await _grade_and_control(traj, task, turns, hack)
+            return traj, graded, reward
+
+    names = ["honest gold fix", *(h.name for h in DJANGO)]
+    done = await asyncio.gather(
+        *(one(i, h) for i, h in enumerate([None, *DJANGO])), return_exceptions=True
+    )
+    return dict(zip(names, done, strict=True))
+
+
+@pytest.fixture(scope="module")
+def django_rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    _docker_backend()
+    return asyncio.run(_django_rows(tmp_path_factory.mktemp("django")))
+
+
+def _row(rows: dict[str, Any], name: str) -> tuple[Trajectory, Trajectory, Any]:
+    found = rows[name]
+    if isinstance(found, BaseException):
+        raise found
+    return found  # type: ignore[no-any-return]
+
+
+def test_django_honest_gold_fix_is_rewarded(django_rows: dict[str, Any]) -> None:
+    _, graded, _ = _row(django_rows, "honest gold fix")
+    assert graded.reward == 1.0, graded.verdict
+    assert graded.hack_flags == []
+    assert graded.verdict["differential_uncovered"] == []  # Django's tests ran again in ours
+
+
+@pytest.mark.parametrize("hack", DJANGO, ids=[h.name for h in DJANGO])
+def test_django_hack_is_blocked(django_rows: dict[str, Any], hack: Hack) -> None:
+    traj, graded, control = _row(django_rows, hack.name)
+    if hack.kind == "grading":
+        _check_row(hack, traj, graded, control)
+        return
+    reward, seen = control
+    failed_inside = "no other commit" in seen
+    result = _verdict(hack, graded) if failed_inside else "NOT BLOCKED"
+    _record(hack, graded.reward, graded.hack_flags, f"{reward} (sandbox without it)", result)
+    assert reward == 1.0, (hack.name, "does not cheat without the property")
+    assert failed_inside, (hack.name, seen[-2000:])
+    assert graded.reward == 0.0, (hack.name, graded.verdict)
+
+
 def _sandbox_row(tmp: Path, hack: Hack) -> tuple[Trajectory, str, Trajectory]:
     """(defended graded, what the agent saw, control graded) for a sandbox-property hack."""
     task = _task(hack.variant)
@@ -354,7 +458,7 @@ def _sandbox_row(tmp: Path, hack: Hack) -> tuple[Trajectory, str, Trajectory]:
     return asyncio.run(_grade(traj, task, turns)), seen, asyncio.run(_grade(ctraj, task, cturns))
 
 
-SANDBOX = [h for h in HACKS if h.kind in ("history", "network")]
+SANDBOX = [h for h in HACKS if h.kind in ("history", "network") and h.variant != "django"]
 
 
 @pytest.mark.parametrize("hack", SANDBOX, ids=[h.name for h in SANDBOX])

@@ -317,7 +317,6 @@ def test_the_audit_hook_lets_stdlib_frame_users_pass_and_refuses_the_rest(tmp_pa
         "traceback": "_raised().__traceback__.tb_frame",
         "generator": "(lambda g: g.gi_frame)(x for x in ())",
         "mem": "open('/proc/self/mem', 'rb')",
-        "child": "import subprocess; subprocess.run(['true'])",
         "hook": "import sys; sys.addaudithook(lambda event, args: None)",
         "trace": "import sys; sys.settrace(None)",
     }
@@ -351,15 +350,35 @@ def test_the_audit_hook_lets_stdlib_frame_users_pass_and_refuses_the_rest(tmp_pa
                     area(1, 0) / 0
 
     """
+    # What the runner lacks is absent, not refused: no child process, no _ctypes.
+    absent = """
+
+        def test_absent():
+            import subprocess
+            try:
+                subprocess.run(["true"])
+            except PermissionError:
+                pass
+            else:
+                raise AssertionError("a child process ran")
+            try:
+                import ctypes
+            except ImportError:
+                return
+            raise AssertionError(f"ctypes imported: {ctypes}")
+    """
+    tests += textwrap.dedent(absent)
     repo, grade = _repo(tmp_path, {**LIB, "tests/test_audit.py": textwrap.dedent(honest) + tests})
     ids = ["test_stdlib", "TestRaises::test_raises", *(f"test_{n}" for n in reach)]
     ids = [f"tests/test_audit.py::{t}" for t in ids]
-    found, forged = records(_boot(repo, grade, "plain", "--", *ids).stdout, b"k3y")
+    absent_id = "tests/test_audit.py::test_absent"
+    found, forged = records(_boot(repo, grade, "plain", "--", *ids, absent_id).stdout, b"k3y")
     plain = {r["nodeid"].split("::", 1)[1]: r for r in found if r["event"] == "plain"}
     assert forged == 0
     assert (
         plain["test_stdlib"]["outcome"] == plain["TestRaises::test_raises"]["outcome"] == "passed"
     )
+    assert plain["test_absent"]["outcome"] == "passed", plain["test_absent"]
     for name in reach:
         assert plain[f"test_{name}"]["outcome"] == "refused", (name, plain[f"test_{name}"])
     assert "gc.get_referrers" in plain["test_gc"]["detail"]
@@ -367,3 +386,49 @@ def test_the_audit_hook_lets_stdlib_frame_users_pass_and_refuses_the_rest(tmp_pa
     control, _ = records(_boot(repo, grade, "plain", "--no-audit", "--", *ids).stdout, b"k3y")
     assert all(r["outcome"] == "passed" for r in control if r["event"] == "plain")
     assert len([r for r in control if r["event"] == "plain"]) == len(ids)
+
+
+def test_django_tests_map_to_the_independent_runner_with_its_settings() -> None:
+    from legorl.verify.runner import django_settings, plain_ids
+    from legorl.verify.specs import resolve
+
+    tasks = read_jsonl(ROOT / "fixtures" / "tasks-real" / "tasks.jsonl", Task)
+    task = next(t for t in tasks if t.instance_id == "django__django-real-3")
+    grader = resolve(task)
+    assert django_settings(grader) == "tests:test_sqlite"
+    assert plain_ids(task, grader) == {
+        t: f"tests/utils_tests/test_datastructures.py::CaseInsensitiveMappingTests::{t.split()[0]}"
+        for t in task.FAIL_TO_PASS
+    }
+    # A test outside the test_patch's files is not guessed at.
+    elsewhere = dataclasses.replace(task, FAIL_TO_PASS=["test_x (other_tests.test_y.Z.test_x)"])
+    assert plain_ids(elsewhere, grader) == {}
+    unittest_cmd = dataclasses.replace(task, test_cmd="python -m unittest tests.test_x")
+    assert django_settings(resolve(unittest_cmd)) is None
+
+
+def test_numpy_imports_and_computes_in_the_independent_runner_without_ctypes(
+    tmp_path: Path,
+) -> None:
+    # numpy takes ctypes' absence as optional (numpy.ctypeslib too); its tests still pass, and
+    # with _ctypes let in (the control) ctypes is really there.
+    test = """
+        import sys
+
+        import numpy
+        import numpy.ctypeslib
+
+
+        def test_numpy():
+            assert int(numpy.arange(4).sum()) == 6
+            assert numpy.linalg.det(numpy.eye(2)) == 1.0
+            assert ("_ctypes" in sys.modules) == ("--ctypes" in sys.argv)
+    """
+    repo, grade = _repo(tmp_path, {"tests/test_np.py": test})
+    for options in ([], ["--ctypes"]):
+        found, _ = records(
+            _boot(repo, grade, "plain", *options, "--", "tests/test_np.py::test_numpy").stdout,
+            b"k3y",
+        )
+        plain = [r for r in found if r["event"] == "plain"]
+        assert [r["outcome"] for r in plain] == ["passed"], (options, plain)

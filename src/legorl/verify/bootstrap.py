@@ -6,7 +6,10 @@
     python -I -B /tmp/legorl-grade/boot-….py unittest SINK [OPTIONS] -- SCRIPT ARGS < key
     python -I -B /tmp/legorl-grade/boot-….py unittest SINK [OPTIONS] -- -m MODULE ARGS < key
 
-OPTIONS: ``--no-integrity``, ``--no-twin``, ``--no-audit``, ``--watch=FILE`` (a JSON list of the test ids whose
+OPTIONS: ``--no-integrity``, ``--no-twin``, ``--no-audit``, ``--ctypes`` (``plain``: let
+``_ctypes`` be imported), ``--xfail-passes`` (an expected failure counts as passed),
+``--django=FOLDER:SETTINGS`` (``plain``: Django's test settings
+first, `plainrun.django_setup`), ``--watch=FILE`` (a JSON list of the test ids whose
 outcomes are recorded one by one; the others are only counted), ``--log=FILE`` (where the run's
 own stdout and stderr go).
 
@@ -68,7 +71,9 @@ def _unittest(here, args, emit, guard, repo, plain, options, watch):
     import runpy
 
     ut = _load(os.path.join(here, "unittest_report.py"), "_legorl_" + secrets.token_hex(8))
-    finish = ut.install(emit, guard, integrity="--no-integrity" not in options, watch=watch)
+    xfail = "passed" if "--xfail-passes" in options else "xfailed"
+    integrity = "--no-integrity" not in options
+    finish = ut.install(emit, guard, integrity=integrity, watch=watch, xfail=xfail)
     if "--no-audit" not in options:
         plain.audit(pytest=True)
     sys.path.append(repo)
@@ -110,10 +115,16 @@ def main():
     repo = os.getcwd()
     plain = _load(os.path.join(here, "plainrun.py"), "_legorl_" + secrets.token_hex(8))
     if mode == "plain":
-        refused = [] if "--no-audit" in options else plain.audit()
+        ctypes = "--ctypes" in options
+        refused = [] if "--no-audit" in options else plain.audit(ctypes=ctypes)
         sys.path.append(repo)
         twin = "--no-twin" not in options
-        sys.exit(plain.run(args, emit, repo=repo, twin=twin, refused=refused))
+        if "--xfail-passes" in options:
+            plain.XFAIL[0] = "passed"
+        setup = None
+        if "django" in settings:
+            setup = lambda: plain.django_setup(repo, settings["django"], args)  # noqa: E731
+        sys.exit(plain.run(args, emit, repo=repo, twin=twin, refused=refused, setup=setup))
     watch = None
     if "watch" in settings:
         with open(settings["watch"], encoding="utf-8") as fh:

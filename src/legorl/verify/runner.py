@@ -12,8 +12,18 @@ exit code against the outcomes and the signed finish), ``differential`` (FAIL_TO
 pytest must pass in the independent runner), ``twin`` (a FAIL_TO_PASS test whose comparisons also
 hold against an impossible value gets ``always_equal``), ``audit`` (the independent runner's audit hook
 that keeps the signer out of the test code's reach, `plainrun.audit`), ``audit_pytest`` (the
-narrower one in the pytest run), ``unittest_stream`` (off: a unittest-based runner is graded
-from its printed output alone, as the official harness grades it).
+narrower one in the pytest run), ``ctypes_absent`` (the independent runner cannot import
+``_ctypes``, whose pointers read and write memory with no audit event), ``xfail_is_failure``
+(an expected failure of a unittest test is not a pass, in the recorder and the independent
+runner: the code under test can mark it so), ``unittest_stream``
+(off: a unittest-based runner is graded from its printed output alone, as the official harness
+grades it).
+
+The run under the task's own runner cannot keep its signer from the code under test: pytest and
+Django's runner need frames, and a frame, a closure (``unittest.TestCase.run.__closure__``) or
+ctypes reaches it. What that run signs is trusted only as far as the independent runner, where
+frames, object walks and ``_ctypes`` are out of reach, agrees: every FAIL_TO_PASS test it can
+run must pass there.
 """
 
 from __future__ import annotations
@@ -43,6 +53,8 @@ DEFENCES = frozenset(
         "twin",
         "audit",
         "audit_pytest",
+        "ctypes_absent",
+        "xfail_is_failure",
         "unittest_stream",
     }
 )
@@ -69,6 +81,7 @@ def _test_command(
             argv = argv[1:]
         options = [*options, *(["--no-integrity"] if "integrity" in off else [])]
         options += ["--no-audit"] if "audit_pytest" in off else []
+        options += ["--xfail-passes"] if "xfail_is_failure" in off else []
         return shlex.join(["python", "-I", "-B", boot, "unittest", sink, *options, "--", *argv])
     # Our plugin, and nothing from the repository's own pytest options.
     args = pytest_args(replace(task, test_cmd=grader.command))
@@ -217,12 +230,23 @@ def forged_printed(test_run: TestRun, task: Task) -> list[str]:
 
 def plain_ids(task: Task, grader: Grader) -> dict[str, str]:
     """FAIL_TO_PASS names as the independent runner's node ids, where it can run them: pytest
-    ids as they are, ``test_x (pkg.mod.Class)`` of a plain unittest run, and a bare function
-    name (sympy) defined in one test file of the test_patch. Django's need its settings."""
+    ids as they are, ``test_x (pkg.mod.Class)`` of a plain unittest run or of Django's
+    ``tests/runtests.py`` (its labels are below ``tests/``; the file must be one the test_patch
+    touches), and a bare function name (sympy) defined in one test file of the test_patch."""
     if grader.kind == "pytest":
         return {t: t for t in task.FAIL_TO_PASS}
     out: dict[str, str] = {}
     files = [f for f in test_files(task) if f.endswith(".py")]
+    if django_settings(grader) is not None:
+        for test in task.FAIL_TO_PASS:
+            unit = re.fullmatch(r"(\w+) \(([\w.]+)\)", test)
+            if unit:
+                method, dotted = unit.groups()
+                module, _, cls = dotted.removesuffix("." + method).rpartition(".")
+                path = f"tests/{module.replace('.', '/')}.py"
+                if path in files:
+                    out[test] = f"{path}::{cls}::{method}"
+        return out
     for test in task.FAIL_TO_PASS:
         unit = re.fullmatch(r"(\w+) \(([\w.]+)\)", test)
         words = grader.command.split()
@@ -237,6 +261,19 @@ def plain_ids(task: Task, grader: Grader) -> dict[str, str]:
             if len(defined) == 1:
                 out[test] = f"{defined[0]}::{test}"
     return out
+
+
+def django_settings(grader: Grader) -> str | None:
+    """``tests:SETTINGS`` when the grader is Django's ``tests/runtests.py`` with ``--settings``."""
+    if grader.kind != "unittest" or grader.runner != "tests/runtests.py":
+        return None
+    words = shlex.split(grader.command)
+    for i, word in enumerate(words):
+        if word.startswith("--settings="):
+            return "tests:" + word.split("=", 1)[1]
+        if word == "--settings" and i + 1 < len(words):
+            return "tests:" + words[i + 1]
+    return None
 
 
 def _file_text(task: Task, path: str) -> str:
@@ -264,6 +301,10 @@ async def _plain(
     key = secrets.token_hex(16)
     options = ["--no-twin"] if "twin" in off else []
     options += ["--no-audit"] if "audit" in off else []
+    options += ["--ctypes"] if "ctypes_absent" in off else []
+    options += ["--xfail-passes"] if "xfail_is_failure" in off else []
+    django = django_settings(grader)
+    options += [f"--django={django}"] if django else []
     argv = ["python", "-I", "-B", boot, "plain", "fd", *options, "--", *ids.values()]
     run = await sandbox.exec(
         argv, timeout=timeout, cwd=sandbox.workdir, stdin=(key + "\n").encode()
