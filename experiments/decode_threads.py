@@ -38,15 +38,7 @@ async def run(
     engines: dict[str, Any] = {
         f"threads_{t}": make_engine("embedded", model_path=str(model), threads=t) for t in threads
     }
-    engines["vllm"] = await asyncio.to_thread(
-        make_engine,
-        "vllm",
-        model_path=str(model),
-        python=python,
-        dtype="float32",
-        max_model_len=prompt_tokens + max_tokens + 64,
-        kv_cache_memory="512M",
-    )
+    engines["vllm"] = await decode.vllm_engine(model, python, prompt_tokens + max_tokens)
     try:
         for engine in engines.values():  # warm-up
             await decode._level(engine, prompts, 1, 1, 4)

