@@ -33,6 +33,10 @@ class GenerationRequest:
     # A stable key (session and segment) under which an engine may keep this sequence's prefix
     # cached: the next request with the same key usually extends prompt + completion.
     cache_key: str | None = None
+    # False: the caller uses the completion only once it is whole (a non-streamed chat call),
+    # so an engine may deliver it in one piece instead of token by token (vllm: one JSON answer
+    # instead of server-sent events). The tokens and log-probs are the same either way.
+    stream: bool = True
 
 
 @dataclass(slots=True)

@@ -23,6 +23,7 @@ def test_decode_section_quick(monkeypatch: pytest.MonkeyPatch) -> None:
         pytest.fail(f"real vLLM is missing under CI=true: {why}")
     report = bench_decode(quick=True)
     assert set(report["levels"]) == {"1", "8", "32"}
+    assert report["setup"]["embedded_threads"] == 1  # the engine's default, as it ran
     for level, row in report["levels"].items():
         assert row["embedded_tok_s"] > 0 and row["embedded_dynamic_tok_s"] > 0, level
         assert row["grown_vs_dynamic"] == pytest.approx(

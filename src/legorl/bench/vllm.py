@@ -4,9 +4,14 @@ server that legorl launches (``fixtures/models/tiny-agent``, fp32, the engine's 
 * proxy / direct: output tokens/s of 16 concurrent sessions through legorl's proxy (chat API:
   rendering, session bookkeeping, Turns written, one more HTTP hop) against the same 16 sessions
   posting to vLLM's ``/v1/completions`` themselves, with the very bodies the ``vllm`` engine
-  sends for the prompts the proxy rendered. Greedy, so both sides decode the same tokens; the
-  prefix cache is reset before every pass, so neither side is served the other's prefill.
-  Target >= 0.95.
+  sends for the prompts the proxy rendered (non-streamed chat calls: one JSON answer from vLLM
+  per call on both sides). The proxy runs as ``legorl proxy serve --engine vllm --engine-opt
+  base_url=…`` in its own process, as it is deployed; the load generator of both sides runs
+  here. Greedy, so both sides decode the same tokens; the prefix cache is reset before every
+  pass, so neither side is served the other's prefill; sessions are opened before a pass's
+  clock starts. Passes alternate direct, proxy; the figure is the median proxy rate over the
+  median direct rate, with each pass's ratio and the CPU ms per output token of the load
+  generator, the proxy's process and the vLLM server beside it. Target >= 0.95.
 * weight sync: seconds of one full reload into the running server (``collective_rpc``
   ``reload_weights``, then ``reset_prefix_cache``: what ``legorl train --push`` and the loop do
   after every step) beside the seconds of the train step that wrote the checkpoint.
@@ -19,11 +24,16 @@ imports vllm.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import secrets
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -62,13 +72,15 @@ def _messages(session: int, round_: int) -> list[dict[str, str]]:
 async def _proxy_pass(
     endpoint: Any, served: str, rounds: int, max_tokens: int, tag: str
 ) -> tuple[int, float]:
-    """(output tokens, seconds) of ``SESSIONS`` sessions x ``rounds`` chat calls via the proxy."""
+    """(output tokens, seconds) of ``SESSIONS`` sessions x ``rounds`` chat calls via the proxy.
+    Sessions are opened before the clock starts and closed after it stops: the figure is the
+    calls' (the direct side opens nothing)."""
     import httpx
 
+    urls = [(await endpoint.open_session(f"{tag}-{i}")).url for i in range(SESSIONS)]
     async with httpx.AsyncClient(timeout=600) as client:
 
         async def session(i: int) -> int:
-            access = await endpoint.open_session(f"{tag}-{i}")
             tokens = 0
             for r in range(rounds):
                 body = {
@@ -77,15 +89,17 @@ async def _proxy_pass(
                     "max_tokens": max_tokens,
                     "temperature": 0.0,
                 }
-                answer = await client.post(f"{access.url}/v1/chat/completions", json=body)
+                answer = await client.post(f"{urls[i]}/v1/chat/completions", json=body)
                 answer.raise_for_status()
                 tokens += answer.json()["usage"]["completion_tokens"]
-            await endpoint.close_session(f"{tag}-{i}")
             return tokens
 
         t0 = time.perf_counter()
         counts = await asyncio.gather(*(session(i) for i in range(SESSIONS)))
-        return sum(counts), time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+    for i in range(SESSIONS):
+        await endpoint.close_session(f"{tag}-{i}")
+    return sum(counts), seconds
 
 
 async def _direct_pass(engine: Any, bodies: list[list[dict[str, Any]]]) -> tuple[int, float]:
@@ -98,8 +112,13 @@ async def _direct_pass(engine: Any, bodies: list[list[dict[str, Any]]]) -> tuple
 
         async def session(calls: list[dict[str, Any]]) -> int:
             tokens = 0
+            url = f"{engine.base_url}/v1/completions"
             for body in calls:
-                url = f"{engine.base_url}/v1/completions"
+                if not body["stream"]:
+                    answer = await client.post(url, json=body)
+                    answer.raise_for_status()
+                    tokens += len(_steps_of(answer.json()))
+                    continue
                 async with client.stream("POST", url, json=body) as response:
                     response.raise_for_status()
                     async for line in response.aiter_lines():
@@ -133,6 +152,7 @@ def _recorded_bodies(
                 max_tokens=turn.max_tokens or max_tokens,
                 temperature=0.0,
                 stop_token_ids=[turn.completion_ids[-1]] if turn.finish_reason == "stop" else [],
+                stream=False,  # as the proxy asks for a non-streamed call without stop strings
             )
             calls.append(engine._body(request))  # exactly what the engine posts
             prompt = prompt + list(turn.completion_ids)
@@ -148,24 +168,117 @@ async def _reset_cache(engine: Any) -> None:
         (await client.post(f"{engine.base_url}/reset_prefix_cache")).raise_for_status()
 
 
-async def _proxy_ratio(engine: Any, work: Path, passes: int, rounds: int, max_tokens: int) -> dict:
-    from legorl.rollout import inprocess_proxy
+def _group_cpu_s(pgid: int | None) -> float:
+    """CPU seconds used so far by the processes of group ``pgid`` (the vLLM server's)."""
+    if pgid is None:
+        return 0.0
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the process ended meanwhile
+        if int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
-    proxy_rates, direct_rates, tokens = [], [], {}
-    async with inprocess_proxy(_model(), engine, work / "turns") as (endpoint, core):
+
+def _pid_cpu_s(pid: int | None) -> float:
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@contextlib.asynccontextmanager
+async def _proxy_process(engine: Any, work: Path) -> AsyncIterator[tuple[Any, int]]:
+    """``legorl proxy serve`` in its own process, as it is deployed, in front of ``engine``'s
+    server (registered sessions only, Turns in ``work/turns``); yields (endpoint, its pid)."""
+    import httpx
+
+    from legorl.engines.vllm_server import free_port
+    from legorl.rollout import remote_proxy
+
+    port, token = free_port(), secrets.token_hex(16)
+    command = [
+        sys.executable,
+        "-c",
+        "from legorl.cli.main import app; app()",
+        "proxy",
+        "serve",
+        "--model",
+        str(_model()),
+        "--engine",
+        "vllm",
+        "--engine-opt",
+        f"base_url={engine.base_url}",
+        "--out",
+        str(work / "turns"),
+        "--port",
+        str(port),
+        "--admin-token",
+        token,
+        "--registered-only",
+    ]
+    log = (work / "proxy.log").open("wb")
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient(timeout=5) as client:
+            for _ in range(1200):
+                if proc.poll() is not None:
+                    tail = (work / "proxy.log").read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"legorl proxy serve exited {proc.returncode}: {tail}")
+                try:
+                    if (await client.get(f"{url}/healthz")).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.1)
+            else:
+                raise RuntimeError(f"legorl proxy serve not healthy at {url} within 120 s")
+        yield remote_proxy(url, work / "turns", token), proc.pid
+    finally:
+        proc.terminate()
+        try:
+            await asyncio.to_thread(proc.wait, 10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+async def _proxy_ratio(engine: Any, work: Path, passes: int, rounds: int, max_tokens: int) -> dict:
+    rates: dict[str, list[float]] = {"direct": [], "proxy": []}
+    cpu: dict[str, list[float]] = {"direct": [], "proxy": []}
+    server_cpu: dict[str, list[float]] = {"direct": [], "proxy": []}
+    proxy_cpu: list[float] = []
+    tokens: dict[str, int] = {}
+    pgid = engine.server.proc.pid if engine.server is not None else None
+
+    async def timed(side: str, one_pass: Any, proxy_pid: int | None) -> None:
         await _reset_cache(engine)
-        await _proxy_pass(endpoint, core.served_name, rounds, max_tokens, "warm")
+        c0, g0, p0 = time.process_time(), _group_cpu_s(pgid), _pid_cpu_s(proxy_pid)
+        n, s = await one_pass
+        cpu[side].append((time.process_time() - c0) / n * 1000)
+        if proxy_pid is not None:
+            proxy_cpu.append((_pid_cpu_s(proxy_pid) - p0) / n * 1000)
+        server_cpu[side].append((_group_cpu_s(pgid) - g0) / n * 1000)
+        rates[side].append(n / s)
+        tokens[side] = n
+
+    served = _model().name
+    async with _proxy_process(engine, work) as (endpoint, proxy_pid):
+        await _reset_cache(engine)
+        await _proxy_pass(endpoint, served, rounds, max_tokens, "warm")
         bodies = _recorded_bodies(engine, work / "turns", "warm", rounds, max_tokens)
         for k in range(passes):  # interleaved, so drifting machine load hits both alike
-            await _reset_cache(engine)
-            n, s = await _direct_pass(engine, bodies)
-            direct_rates.append(n / s)
-            tokens["direct"] = n
-            await _reset_cache(engine)
-            n, s = await _proxy_pass(endpoint, core.served_name, rounds, max_tokens, f"p{k}")
-            proxy_rates.append(n / s)
-            tokens["proxy"] = n
-    proxy, direct = statistics.median(proxy_rates), statistics.median(direct_rates)
+            await timed("direct", _direct_pass(engine, bodies), None)
+            await timed(
+                "proxy", _proxy_pass(endpoint, served, rounds, max_tokens, f"p{k}"), proxy_pid
+            )
+    proxy, direct = statistics.median(rates["proxy"]), statistics.median(rates["direct"])
+    ratios = [p / d for p, d in zip(rates["proxy"], rates["direct"], strict=True)]
     return {
         "sessions": SESSIONS,
         "calls_per_session": rounds,
@@ -175,17 +288,28 @@ async def _proxy_ratio(engine: Any, work: Path, passes: int, rounds: int, max_to
         "proxy_tok_s": round(proxy, 1),
         "direct_tok_s": round(direct, 1),
         "proxy_over_direct": round(proxy / direct, 4),
+        # each pass's proxy rate over the direct rate measured just before it
+        "pass_ratios": [round(r, 4) for r in ratios],
+        # CPU ms per output token: the load generator (this process), the proxy's process,
+        # and the vLLM server's processes
+        "client_cpu_ms_per_token": {k: round(statistics.median(v), 4) for k, v in cpu.items()},
+        "proxy_cpu_ms_per_token": round(statistics.median(proxy_cpu), 4),
+        "server_cpu_ms_per_token": {
+            k: round(statistics.median(v), 4) for k, v in server_cpu.items()
+        },
         "target_proxy_over_direct": 0.95,
     }
 
 
-async def _weight_sync(engine: Any, work: Path, steps: int, episodes: int) -> dict[str, Any]:
+async def _weight_sync(
+    engine: Any, work: Path, steps: int, episodes: int, max_len: int = 4096
+) -> dict[str, Any]:
     from legorl.bench.train import toy_like_samples
     from legorl.train.config import TrainConfig
     from legorl.train.model import load_policy
     from legorl.train.trainer import train
 
-    samples = toy_like_samples(load_policy(_model()), episodes)
+    samples = toy_like_samples(load_policy(_model()), episodes, max_len=max_len)
     model, sync_s, step_s = _model(), [], []
     for k in range(steps):
         ckpt = work / f"ckpt-{k}"
@@ -226,10 +350,15 @@ def bench_vllm(quick: bool = False) -> dict[str, Any]:
 
         async def run() -> dict[str, Any]:
             try:
+                # quick (CI): every step of both figures, once and small
                 ratio = await _proxy_ratio(
-                    engine, work, passes=1 if quick else 3, rounds=2 if quick else 4, max_tokens=64
+                    engine, work, passes=1 if quick else 5, rounds=2 if quick else 4, max_tokens=64
                 )
-                sync = await _weight_sync(engine, work, steps=2 if quick else 4, episodes=4)
+                sync = await (
+                    _weight_sync(engine, work, steps=1, episodes=1, max_len=2048)
+                    if quick
+                    else _weight_sync(engine, work, steps=4, episodes=4)
+                )
                 return {"model": _model().name, "dtype": "float32", "proxy": ratio, "sync": sync}
             finally:
                 await engine.close()

@@ -78,10 +78,20 @@ class EmbeddedConfig:
     # "grown": K/V buffers with room to spare, written in place, doubled when full
     # (engines/kvcache.py); "dynamic": transformers' DynamicCache, which copies all K/V each step
     kv_cache: Literal["grown", "dynamic"] = "grown"
+    # torch intra-op threads of the worker's forwards (set in the worker thread, so the rest of
+    # the process keeps its own); None: torch's default, one per core. 1 by measurement: a
+    # decode step of a small model is mostly Python, and a second thread that waits for a busy
+    # core stalls every step (docs/engines.md)
+    threads: int | None = 1
 
     def __post_init__(self) -> None:
         if self.kv_cache not in ("grown", "dynamic"):
             raise ValueError(f"kv_cache must be 'grown' or 'dynamic', got {self.kv_cache!r}")
+        threads = self.threads
+        if threads is not None and (
+            isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+        ):
+            raise ValueError(f"threads must be a positive integer or None, got {threads!r}")
 
 
 @dataclass(slots=True)
@@ -97,6 +107,7 @@ class EmbeddedStats:
     batched_steps: int = 0  # decode steps that advanced more than one sequence
     max_batch: int = 0  # most sequences in one decode step
     weight_loads: int = 0
+    threads: int = 0  # torch intra-op threads the worker runs forwards with (once started)
 
 
 class _End:
@@ -254,6 +265,9 @@ class EmbeddedEngine:
     def _run(self) -> None:
         import torch
 
+        if self.config.threads is not None:
+            torch.set_num_threads(self.config.threads)  # this thread's forwards only
+        self.stats.threads = torch.get_num_threads()
         with torch.inference_mode():
             while True:
                 try:

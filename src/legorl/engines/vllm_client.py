@@ -12,7 +12,9 @@ or legorl launches it (no ``base_url``; see docs/vllm.md).
 Each request is one ``POST /v1/completions`` with the prompt as a list of token ids and
 ``logprobs: 0`` (the sampled token's log-prob only), ``return_token_ids: true`` (the sampled ids
 as integers) and ``return_tokens_as_token_ids: true`` (tokens as ``"token_id:N"`` strings, the
-fallback when ``token_ids`` is absent), streamed as server-sent events or not. Every sampling
+fallback when ``token_ids`` is absent), streamed as server-sent events, or answered in one
+JSON body when the request's ``stream`` is False (the proxy's non-streamed calls: no event per
+token to send and parse) or the config's ``stream`` is. Every sampling
 knob that the server's ``generation_config`` defaults could otherwise set is sent explicitly
 (``top_k: 0``, ``min_p: 0``, no penalties), and ``ignore_eos: true`` so that generation stops
 only at the request's ``stop_token_ids`` (the stop token is returned, with its log-prob).
@@ -60,7 +62,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import httpx
+import orjson
 
+from legorl.engines.http1 import Http1Pool, supports
 from legorl.engines.vllm_server import VllmServer
 from legorl.protocols import (
     ContextLengthError,
@@ -158,6 +162,7 @@ class VllmEngine:
         self.max_context = max_context
         self._client: httpx.AsyncClient | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
+        self._pool: Http1Pool | None = None
         self._gate: _Gate | None = None
         self._reload_lock: asyncio.Lock | None = None
 
@@ -240,7 +245,14 @@ class VllmEngine:
         url = f"{self.base_url}/v1/completions"
         await gate.enter()
         try:
-            if self.config.stream:
+            if not body["stream"] and self._pool is not None:
+                status, answer = await self._pool.post("/v1/completions", orjson.dumps(body))
+                if status != 200:
+                    raise self._status_error(status, _body_message(answer), len(prompt))
+                steps = _steps_of(orjson.loads(answer))
+                if steps:
+                    yield steps
+            elif body["stream"]:
                 async with client.stream("POST", url, json=body) as response:
                     if response.status_code != 200:
                         await response.aread()
@@ -251,18 +263,18 @@ class VllmEngine:
                         data = line[5:].strip()
                         if data == "[DONE]":
                             break
-                        steps = _steps_of(json.loads(data))
+                        steps = _steps_of(orjson.loads(data))
                         if steps:
                             yield steps
             else:
                 response = await client.post(url, json=body)
                 if response.status_code != 200:
                     raise self._http_error(response, len(prompt))
-                steps = _steps_of(response.json())
+                steps = _steps_of(orjson.loads(response.content))
                 if steps:
                     yield steps
-        except httpx.HTTPError as exc:
-            raise EngineError(f"vLLM request to {url} failed: {exc}") from exc
+        except (httpx.HTTPError, OSError, TimeoutError) as exc:
+            raise EngineError(f"vLLM request to {url} failed: {exc!r}") from exc
         finally:
             gate.leave()
 
@@ -287,7 +299,9 @@ class VllmEngine:
             "logprobs": 0,  # the sampled token's log-prob, no alternatives
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,
-            "stream": self.config.stream,
+            # a caller that waits for the whole completion gets it in one answer: one JSON
+            # body instead of an event per token, for the server and for this client
+            "stream": self.config.stream and request.stream,
         }
         if request.seed is not None:
             body["seed"] = request.seed
@@ -316,15 +330,15 @@ class VllmEngine:
             )
 
     def _http_error(self, response: httpx.Response, prompt_len: int) -> EngineError:
-        message = _error_message(response)
+        return self._status_error(response.status_code, _error_message(response), prompt_len)
+
+    def _status_error(self, status: int, message: str, prompt_len: int) -> EngineError:
         lowered = message.lower()
-        if response.status_code == 400 and (
-            "context length" in lowered or "max_model_len" in lowered
-        ):
+        if status == 400 and ("context length" in lowered or "max_model_len" in lowered):
             return ContextLengthError(prompt_len, self.max_context)
-        if response.status_code in (400, 413, 422):  # what the request asked, refused
-            return EngineRequestError(f"vLLM answered {response.status_code}: {message}")
-        return EngineError(f"vLLM answered {response.status_code}: {message}")
+        if status in (400, 413, 422):  # what the request asked, refused
+            return EngineRequestError(f"vLLM answered {status}: {message}")
+        return EngineError(f"vLLM answered {status}: {message}")
 
     def _session(self) -> tuple[httpx.AsyncClient, _Gate]:
         """The HTTP client and request gate of the running event loop (made on first use)."""
@@ -336,6 +350,12 @@ class VllmEngine:
                 timeout=httpx.Timeout(self.config.timeout_s, connect=30.0),
             )
             self._client_loop = loop
+            # non-streamed completions go through a lean client (engines/http1.py)
+            self._pool = (
+                Http1Pool(self.base_url, headers=self._headers, timeout_s=self.config.timeout_s)
+                if supports(self.base_url)
+                else None
+            )
             self._gate = _Gate()
             self._reload_lock = asyncio.Lock()
         assert self._gate is not None
@@ -383,8 +403,11 @@ class VllmEngine:
 
     async def close(self) -> None:
         client, self._client = self._client, None
+        pool, self._pool = self._pool, None
         if client is not None and self._client_loop is asyncio.get_running_loop():
             await client.aclose()
+            if pool is not None:
+                await pool.close()
         if self.server is not None:
             await asyncio.to_thread(self._stop_server)
 
@@ -433,6 +456,13 @@ def _message_of(payload: Any) -> str:
             return str(error.get("message") or error)
         return str(error)
     return str(payload)
+
+
+def _body_message(data: bytes) -> str:
+    try:
+        return _message_of(orjson.loads(data))
+    except orjson.JSONDecodeError:
+        return data[:500].decode("utf-8", "replace") or "(empty answer)"
 
 
 def _error_message(response: httpx.Response) -> str:

@@ -558,6 +558,9 @@ class ProxyCore:
             stop_token_ids=self.tok.stop_ids,
             seed=req.seed,
             cache_key=f"{plan.sub.id}#{plan.segment}",
+            # A non-streamed call without stop strings needs the completion only when it is
+            # whole; with stop strings the stream is cut where one appears, token by token.
+            stream=req.stream or bool(req.stop),
         )
         parser = OutputParser(wire.tool_call_id)
         detok = Detokenizer(self.tok.decode, self.tok.special_ids)
