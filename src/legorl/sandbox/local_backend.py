@@ -51,6 +51,7 @@ from legorl.sandbox.common import (
     build_lock,
     cache_root,
     classify,
+    in_thread,
     owner_alive,
     owner_tag,
     state_root,
@@ -606,7 +607,7 @@ class LocalBackend:
         limits: Limits | None = None,
         harness_runtime: bool = False,
     ) -> LocalSandbox:
-        return await asyncio.to_thread(
+        return await in_thread(
             self.start_sync,
             task,
             tasks_dir,
