@@ -32,12 +32,7 @@ def tests(session: nox.Session) -> None:
         session.run("pytest", *session.posargs)
         return
     workers = os.environ.get("LEGORL_TEST_WORKERS", "2")
-    # Modules whose last test reads what the earlier ones left in the module run in one
-    # process, after the rest.
-    serial = ["tests/verify/test_redteam.py", "tests/engines/test_vllm_harnesses.py"]
-    ignore = [f"--ignore={path}" for path in serial]
-    session.run("pytest", "-n", workers, "--dist", "loadgroup", "--durations", "25", *ignore)
-    session.run("pytest", "--durations", "10", *serial)
+    session.run("pytest", "-n", workers, "--dist", "loadgroup", "--durations", "40")
 
 
 @nox.session(python=PYTHON)

@@ -35,7 +35,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     stay on one worker, so its module fixtures (a vLLM server, a captured rollout) are built
     once. A module that must not run beside another of its kind names a shared group instead
     (``pytestmark = pytest.mark.xdist_group("vllm")``: the tests that count every vLLM process
-    on the host run one after another)."""
+    on the host run one after another). tests/test_xdist_groups.py checks that xdist honours
+    the groups."""
     for item in items:
         if not any(True for _ in item.iter_markers("xdist_group")):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))

@@ -5,8 +5,10 @@ tree (or the one a hybrid v1 host mounts at /sys/fs/cgroup/unified), the v1 free
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -22,6 +24,7 @@ from sandbox_fixtures import (  # noqa: F401  (fixtures are found by name)
 )
 
 from legorl.sandbox import cgroups
+from legorl.sandbox.common import owner_tag, state_root
 
 # CHAINS chains of shell processes, each forking its successor and exiting, GENERATIONS times at
 # most: a bounded stand-in for a fork bomb whose pids keep changing under a killer's feet. The
@@ -39,10 +42,16 @@ def _folder(base: Path | None, what: str) -> Iterator[Path]:
     need(base is not None and os.access(base, os.W_OK), what)
     assert base is not None
     path = base / "legorl" / f"test-cg-{secrets.token_hex(4)}"
+    # Owned by this live process, as a sandbox's cgroups are: `legorl sandbox gc` (another
+    # test worker's) removes only those of dead owners.
+    state = state_root() / path.name
+    state.mkdir(parents=True)
+    (state / "owner.json").write_text(json.dumps({"owner": owner_tag()}))
     path.mkdir(parents=True)
     try:
         yield path
     finally:
+        shutil.rmtree(state, ignore_errors=True)
         cg = cgroups.CgroupSet.of_folder(path)
         cg.kill_all()
         for _ in range(100):

@@ -4,6 +4,7 @@ next start; many sandboxes started at once on two cores."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -183,6 +184,44 @@ def test_sixteen_sandboxes_at_once_all_start_and_all_go(backend: Any) -> None:
     failures = [r for r in results if isinstance(r, BaseException)]
     assert failures == []
     assert sorted(results) == sorted(f"{i}\n" for i in range(16))
+    if backend.name == "docker":
+        assert _containers(backend.api, rid) == []
+    else:
+        assert _local_boxes(rid) == []
+
+
+def test_more_busy_sandboxes_than_default_threads_all_run_at_once(backend: Any) -> None:
+    """A busy exec holds a thread for as long as its command runs. More sandboxes than the
+    loop's default pool has threads (cpu_count + 4) must still all be running at once; with the
+    default pool the last ones waited for the first commands to end."""
+    n = (os.cpu_count() or 1) + 5
+    rid = run_id()
+
+    async def go() -> int:
+        boxes = await asyncio.gather(
+            *[backend.start(task(), str(TASKS_DIR), run_id=rid) for _ in range(n)]
+        )
+        loop = asyncio.get_running_loop()
+        up = [asyncio.Event() for _ in boxes]
+        busy = [
+            asyncio.create_task(
+                b.exec(
+                    "echo up; exec sleep 120",
+                    timeout=120,
+                    on_output=lambda _c, e=e: loop.call_soon_threadsafe(e.set),
+                )
+            )
+            for b, e in zip(boxes, up, strict=True)
+        ]
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*(e.wait() for e in up)), 60)
+            return sum(e.is_set() for e in up)
+        finally:
+            await asyncio.gather(*(b.close() for b in boxes), return_exceptions=True)
+            await asyncio.gather(*busy, return_exceptions=True)
+
+    assert run(go()) == n
     if backend.name == "docker":
         assert _containers(backend.api, rid) == []
     else:

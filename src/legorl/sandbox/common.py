@@ -1,23 +1,28 @@
 """What both sandbox backends share: errors, the cache folder, run ownership, cross-process
-locks, the output cap, and the limit classification of a finished command.
+locks, the output cap, the limit classification of a finished command, and the threads that
+their blocking calls run on.
 
 Nothing here talks to Docker or bubblewrap; see ``docker_backend.py`` and ``local_backend.py``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
+import contextvars
 import fcntl
+import functools
 import hashlib
 import json
 import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from legorl.protocols import SandboxError
 
@@ -31,6 +36,25 @@ RUNTIME_DIR = "/opt/legorl-runtime"
 RELAY_DIR = "/run/legorl"
 #: PATH inside a sandbox (the runtime's bin/ is appended when it is attached).
 BASE_PATH = f"{ENV_DIR}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+_T = TypeVar("_T")
+_threads: concurrent.futures.ThreadPoolExecutor | None = None
+_threads_lock = threading.Lock()
+
+
+async def in_thread(fn: Callable[..., _T], /, *args: Any, **kwargs: Any) -> _T:
+    """``asyncio.to_thread`` on the sandboxes' own threads. A sandbox's exec holds a thread for
+    as long as its command runs (a harness: minutes), and the loop's default pool has only
+    cpu_count + 4 threads: on two cores the seventh busy sandbox's exec, start or close waited
+    for one of the first six commands to end. Threads are made as calls need them."""
+    global _threads
+    with _threads_lock:
+        if _threads is None:
+            _threads = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1024, thread_name_prefix="legorl-sandbox"
+            )
+    call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(_threads, call)
 
 
 class DaemonDownError(SandboxError):

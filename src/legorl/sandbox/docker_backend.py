@@ -22,7 +22,6 @@ dead, and ``legorl sandbox gc`` removes the rest.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import io
@@ -61,6 +60,7 @@ from legorl.sandbox.common import (
     build_lock,
     cache_root,
     classify,
+    in_thread,
     last_used,
     owner_alive,
     owner_tag,
@@ -884,7 +884,7 @@ class DockerSandbox:
         stdin: bytes | None = None,
         on_output: Callable[[bytes], None] | None = None,
     ) -> ExecResult:
-        return await asyncio.to_thread(
+        return await in_thread(
             self.exec_sync, cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin, on_output=on_output
         )
 
@@ -1042,7 +1042,7 @@ class DockerSandbox:
     # -- files
 
     async def write_file(self, path: str, data: bytes) -> None:
-        await asyncio.to_thread(self.write_file_sync, path, data)
+        await in_thread(self.write_file_sync, path, data)
 
     def write_file_sync(self, path: str, data: bytes) -> None:
         full = path if path.startswith("/") else f"{WORKDIR}/{path}"
@@ -1067,7 +1067,7 @@ class DockerSandbox:
             self.api.put_archive(self.container_id, folder, buf.getvalue())
 
     async def read_file(self, path: str) -> bytes:
-        return await asyncio.to_thread(self.read_file_sync, path)
+        return await in_thread(self.read_file_sync, path)
 
     def read_file_sync(self, path: str) -> bytes:
         import docker.errors
@@ -1087,7 +1087,7 @@ class DockerSandbox:
             return fh.read()
 
     async def diff(self) -> str:
-        return await asyncio.to_thread(self.diff_sync)
+        return await in_thread(self.diff_sync)
 
     def diff_sync(self) -> str:
         """The agent's changes against the base commit, computed outside the agent's reach: the
@@ -1152,7 +1152,7 @@ class DockerSandbox:
     # -- close
 
     async def close(self) -> None:
-        await asyncio.to_thread(self.close_sync)
+        await in_thread(self.close_sync)
 
     def close_sync(self) -> None:
         if self._closed:
@@ -1318,7 +1318,7 @@ class DockerBackend:
         limits: Limits | None = None,
         harness_runtime: bool = False,
     ) -> DockerSandbox:
-        return await asyncio.to_thread(
+        return await in_thread(
             self.start_sync,
             task,
             tasks_dir,

@@ -51,6 +51,7 @@ from legorl.sandbox.common import (
     build_lock,
     cache_root,
     classify,
+    in_thread,
     owner_alive,
     owner_tag,
     state_root,
@@ -606,7 +607,7 @@ class LocalBackend:
         limits: Limits | None = None,
         harness_runtime: bool = False,
     ) -> LocalSandbox:
-        return await asyncio.to_thread(
+        return await in_thread(
             self.start_sync,
             task,
             tasks_dir,
@@ -696,7 +697,11 @@ def gc_local(*, everything: bool = False, dry_run: bool = False) -> list[str]:
             if not folder.name.startswith("legorl-"):
                 continue
             # A Docker sandbox's relay folder, or a half-made local one: judged by its age.
-            if time.time() - folder.stat().st_mtime < 3600 and not everything:
+            try:
+                age = time.time() - folder.stat().st_mtime
+            except FileNotFoundError:
+                continue  # closed since the listing (a sandbox of another process)
+            if age < 3600 and not everything:
                 alive.add(folder.name)
                 continue
         if not everything and owner and owner_alive(owner) is not False:
