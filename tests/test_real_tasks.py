@@ -3,8 +3,8 @@ solvable by its gold patch and unsolved by the empty one.
 
 The toolz tasks are graded by `legorl verify` on both sandbox backends (real Docker, real
 bubblewrap). The Django tasks are checked with Django's own `tests/runtests.py` on this
-machine's interpreter; their `legorl verify` check is an ``xfail(strict=True)`` until a
-``django`` log parser is registered (it then passes, and the strict xfail says to drop the mark).
+machine's interpreter, and two of them through `legorl verify` in Docker (its unittest grader
+and the independent runner with the settings `runtests.py` makes).
 Last, one real task goes through the whole shell pipeline `rollout | verify | align | train`.
 
     python -m pytest tests/test_real_tasks.py -q
