@@ -188,6 +188,22 @@ class TokenCounts:
     completion: int = 0
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionReport:
+    """What the proxy itself saw of one session, returned when it closes (by
+    ``ProxyCore.close_session``, and as ``report`` in a ``DELETE /admin/sessions/{id}`` answer).
+
+    ``completions`` counts the calls whose sampled tokens began to reach the client (the
+    policy's output, which the agent may have acted on); ``engine_failures`` the engine's own
+    failures the session was answered with (the latest few); ``failed_last`` says one of them
+    came after the last completion began, so the policy cannot have acted since."""
+
+    truncated: str | None = None  # a ``Budget`` field name or ``CONTEXT_OVERFLOW``
+    completions: int = 0
+    engine_failures: list[str] = field(default_factory=list)
+    failed_last: bool = False
+
+
 @dataclass(slots=True, kw_only=True)
 class Trajectory(Record):
     """One harness run on one task; verify fills ``reward``, ``verdict`` and ``hack_flags``."""
@@ -320,6 +336,7 @@ SCHEMAS: dict[str, type[Record]] = {cls.SCHEMA: cls for cls in RECORD_TYPES}
 SHORT_NAMES: dict[str, type[Record]] = {cls.__name__.lower(): cls for cls in RECORD_TYPES}
 
 R = TypeVar("R", bound=Record)
+T = TypeVar("T")
 
 
 def segment_prompts(turns: Iterable[Turn]) -> Iterator[tuple[Turn, list[int]]]:
@@ -511,6 +528,12 @@ def from_dict(data: Any, expect: type[R] | tuple[type[R], ...] | None = None) ->
             names = ", ".join(c.SCHEMA for c in wanted)
             raise FieldError("schema", f"expected {names}, got {schema!r}")
     return typing.cast(R, _dataclass_builder(cls)(data, ""))
+
+
+def from_object(cls: type[T], data: Any, path: str) -> T:
+    """A nested record (no schema tag, e.g. ``SessionReport``) from a decoded JSON object,
+    checked field by field like a record's; raises ``FieldError`` naming ``path``'s field."""
+    return typing.cast(T, _dataclass_builder(cls)(data, path))
 
 
 def to_json(record: Record) -> bytes:

@@ -39,13 +39,18 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from legorl.protocols import Harness, Limits, Sandbox, SandboxBackend, SandboxError
-from legorl.records import ENVIRONMENT_FAILURES, TokenCounts, Trajectory, Turn, read_jsonl
-
-if TYPE_CHECKING:
-    from legorl.proxy.core import SessionReport
+from legorl.records import (
+    ENVIRONMENT_FAILURES,
+    SessionReport,
+    TokenCounts,
+    Trajectory,
+    Turn,
+    from_object,
+    read_jsonl,
+)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -482,13 +487,11 @@ def remote_proxy(url: str, turns_dir: Path, admin_token: str) -> ProxyEndpoint:
         return SessionAccess.of_route(base, str(route))
 
     async def close_session(sid: str) -> SessionReport | None:
-        from legorl.proxy.core import SessionReport
-
         try:
             async with httpx.AsyncClient() as client:
                 resp = await client.delete(f"{base}/admin/sessions/{sid}", headers=auth)
-            return SessionReport.from_json(resp.json().get("report"))
-        except (httpx.HTTPError, ValueError, AttributeError):
+            return from_object(SessionReport, resp.json().get("report"), "report")
+        except (httpx.HTTPError, ValueError, AttributeError):  # FieldError is a ValueError
             return None
 
     return ProxyEndpoint(

@@ -73,7 +73,7 @@ from legorl.proxy.parse import Detokenizer, OutputParser
 from legorl.proxy.session import Generated, PromptPlan, Session
 from legorl.proxy.tokens import ChatTokenizer
 from legorl.proxy.wire import WIRES
-from legorl.records import JsonlWriter, ToolCall, Turn, TurnFlags, TurnOutput
+from legorl.records import JsonlWriter, SessionReport, ToolCall, Turn, TurnFlags, TurnOutput
 
 _OPEN_TURN_FILES = 256  # Turn files kept open at once; older ones are reopened when needed
 _SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -129,51 +129,6 @@ CONTEXT_OVERFLOW = "context_length"
 _FAILURES_KEPT = 8  # engine failures a session's report keeps (the latest ones)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SessionReport:
-    """What the proxy itself saw of one session, returned when it closes.
-
-    ``completions`` counts the calls whose sampled tokens began to reach the client (the
-    policy's output, which the agent may have acted on); ``engine_failures`` the engine's own
-    failures the session was answered with (the latest few); ``failed_last`` says one of them
-    came after the last completion began, so the policy cannot have acted since."""
-
-    truncated: str | None = None
-    completions: int = 0
-    engine_failures: tuple[str, ...] = ()
-    failed_last: bool = False
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "truncated": self.truncated,
-            "completions": self.completions,
-            "engine_failures": list(self.engine_failures),
-            "failed_last": self.failed_last,
-        }
-
-    @classmethod
-    def from_json(cls, data: Any) -> SessionReport:
-        """The report in a ``DELETE /admin/sessions/{id}`` answer; ``ValueError`` when malformed."""
-        if not isinstance(data, dict):
-            raise ValueError("session report: expected an object")
-        truncated, completions = data.get("truncated"), data.get("completions")
-        failures, last = data.get("engine_failures"), data.get("failed_last")
-        if truncated is not None and not isinstance(truncated, str):
-            raise ValueError("session report: truncated must be a string or null")
-        if type(completions) is not int or completions < 0:
-            raise ValueError("session report: completions must be a non-negative integer")
-        if not isinstance(failures, list) or not all(isinstance(f, str) for f in failures):
-            raise ValueError("session report: engine_failures must be a list of strings")
-        if type(last) is not bool:
-            raise ValueError("session report: failed_last must be true or false")
-        return cls(
-            truncated=truncated,
-            completions=completions,
-            engine_failures=tuple(failures),
-            failed_last=last,
-        )
-
-
 @dataclass(slots=True)
 class _Spent:
     opened: float = field(default_factory=time.monotonic)
@@ -192,7 +147,7 @@ class _Spent:
         return SessionReport(
             truncated=self.truncated,
             completions=self.completions,
-            engine_failures=tuple(self.failures),
+            engine_failures=list(self.failures),
             failed_last=bool(self.failures) and self.failed_at == self.completions,
         )
 
@@ -386,7 +341,7 @@ class ProxyCore:
                     "id": sid,
                     "deleted": True,
                     "truncated": report.truncated if report is not None else None,
-                    "report": report.to_json() if report is not None else None,
+                    "report": report,
                 },
             )
         raise ApiError(404, f"no admin route {method} {rest}", kind="not_found_error")
