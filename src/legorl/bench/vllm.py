@@ -5,7 +5,7 @@ server that legorl launches (``fixtures/models/tiny-agent``, fp32, the engine's 
   rendering, session bookkeeping, Turns written, one more HTTP hop) against the same 16 sessions
   posting to vLLM's ``/v1/completions`` themselves, with the very bodies the ``vllm`` engine
   sends for the prompts the proxy rendered (non-streamed chat calls: one JSON answer from vLLM
-  per call on both sides). The proxy runs as ``legorl proxy serve --engine vllm --engine-opt
+  per call on both sides), over the engine's own lean HTTP/1.1 client. The proxy runs as ``legorl proxy serve --engine vllm --engine-opt
   base_url=…`` in its own process, as it is deployed; the load generator of both sides runs
   here. Greedy, so both sides decode the same tokens; the prefix cache is reset before every
   pass, so neither side is served the other's prefill; sessions are opened before a pass's
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import secrets
 import statistics
@@ -103,33 +102,32 @@ async def _proxy_pass(
 
 
 async def _direct_pass(engine: Any, bodies: list[list[dict[str, Any]]]) -> tuple[int, float]:
-    """(output tokens, seconds) of the same sessions posting the engine's bodies to vLLM."""
-    import httpx
+    """(output tokens, seconds) of the same sessions posting the engine's bodies to vLLM, over
+    the engine's own lean HTTP/1.1 client (``engines/http1.py``), the fastest way this checkout
+    has to call vLLM: the proxy is measured against the strongest direct caller, not httpx."""
+    import orjson
 
+    from legorl.engines.http1 import Http1Pool
     from legorl.engines.vllm_client import _steps_of
 
-    async with httpx.AsyncClient(timeout=600) as client:
+    pool = Http1Pool(engine.base_url, timeout_s=600)
 
-        async def session(calls: list[dict[str, Any]]) -> int:
-            tokens = 0
-            url = f"{engine.base_url}/v1/completions"
-            for body in calls:
-                if not body["stream"]:
-                    answer = await client.post(url, json=body)
-                    answer.raise_for_status()
-                    tokens += len(_steps_of(answer.json()))
-                    continue
-                async with client.stream("POST", url, json=body) as response:
-                    response.raise_for_status()
-                    async for line in response.aiter_lines():
-                        data = line[5:].strip() if line.startswith("data:") else ""
-                        if data and data != "[DONE]":
-                            tokens += len(_steps_of(json.loads(data)))
-            return tokens
+    async def session(calls: list[dict[str, Any]]) -> int:
+        tokens = 0
+        for body in calls:
+            assert not body["stream"], "the proxy's calls here are non-streamed"
+            status, answer = await pool.post("/v1/completions", orjson.dumps(body))
+            if status != 200:
+                raise RuntimeError(f"vLLM answered {status}: {answer[:500]!r}")
+            tokens += len(_steps_of(orjson.loads(answer)))
+        return tokens
 
+    try:
         t0 = time.perf_counter()
         counts = await asyncio.gather(*(session(calls) for calls in bodies))
         return sum(counts), time.perf_counter() - t0
+    finally:
+        await pool.close()
 
 
 def _recorded_bodies(
