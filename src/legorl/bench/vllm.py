@@ -11,7 +11,10 @@ server that legorl launches (``fixtures/models/tiny-agent``, fp32, the engine's 
   pass, so neither side is served the other's prefill; sessions are opened before a pass's
   clock starts. Passes alternate direct, proxy; the figure is the median proxy rate over the
   median direct rate, with each pass's ratio and the CPU ms per output token of the load
-  generator, the proxy's process and the vLLM server beside it. Target >= 0.95.
+  generator, the proxy's process and the vLLM server beside it, and the seconds a sampler
+  thread of the load generator woke late while each side's clock ran (``client_wake_late_s``:
+  the machine keeping this process off a CPU, or its own main thread holding the GIL).
+  Target >= 0.95.
 * weight sync: seconds of one full reload into the running server (``collective_rpc``
   ``reload_weights``, then ``reset_prefix_cache``: what ``legorl train --push`` and the loop do
   after every step) beside the seconds of the train step that wrote the checkpoint.
@@ -31,8 +34,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +72,50 @@ def _messages(session: int, round_: int) -> list[dict[str, str]]:
     ]
 
 
+class _WakeLag:
+    """A thread that sleeps 5 ms at a time and adds up how late it wakes (over 20 ms) into the
+    bucket of the side being measured: the seconds this process was kept off a CPU (or its main
+    thread held the GIL), so that a report shows when the machine set a pass's rate."""
+
+    def __init__(self) -> None:
+        self.side: str | None = None
+        self.late: dict[str, float] = {"direct": 0.0, "proxy": 0.0}
+        self.worst: dict[str, float] = {"direct": 0.0, "proxy": 0.0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            time.sleep(0.005)
+            late, side = time.perf_counter() - t0 - 0.005, self.side
+            if side is not None and late > 0.02:
+                self.late[side] += late
+                self.worst[side] = max(self.worst[side], late)
+
+    def __enter__(self) -> _WakeLag:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@contextlib.contextmanager
+def _clocked(lag: _WakeLag | None, side: str) -> Iterator[None]:
+    """Count ``lag``'s late wake-ups to ``side`` while a pass's clock runs."""
+    if lag is not None:
+        lag.side = side
+    try:
+        yield
+    finally:
+        if lag is not None:
+            lag.side = None
+
+
 async def _proxy_pass(
-    endpoint: Any, served: str, rounds: int, max_tokens: int, tag: str
+    endpoint: Any, served: str, rounds: int, max_tokens: int, tag: str, lag: _WakeLag | None = None
 ) -> tuple[int, float]:
     """(output tokens, seconds) of ``SESSIONS`` sessions x ``rounds`` chat calls via the proxy.
     Sessions are opened before the clock starts and closed after it stops: the figure is the
@@ -93,15 +139,18 @@ async def _proxy_pass(
                 tokens += answer.json()["usage"]["completion_tokens"]
             return tokens
 
-        t0 = time.perf_counter()
-        counts = await asyncio.gather(*(session(i) for i in range(SESSIONS)))
-        seconds = time.perf_counter() - t0
+        with _clocked(lag, "proxy"):
+            t0 = time.perf_counter()
+            counts = await asyncio.gather(*(session(i) for i in range(SESSIONS)))
+            seconds = time.perf_counter() - t0
     for i in range(SESSIONS):
         await endpoint.close_session(f"{tag}-{i}")
     return sum(counts), seconds
 
 
-async def _direct_pass(engine: Any, bodies: list[list[dict[str, Any]]]) -> tuple[int, float]:
+async def _direct_pass(
+    engine: Any, bodies: list[list[dict[str, Any]]], lag: _WakeLag | None = None
+) -> tuple[int, float]:
     """(output tokens, seconds) of the same sessions posting the engine's bodies to vLLM, over
     the engine's own lean HTTP/1.1 client (``engines/http1.py``), the fastest way this checkout
     has to call vLLM: the proxy is measured against the strongest direct caller, not httpx."""
@@ -123,9 +172,10 @@ async def _direct_pass(engine: Any, bodies: list[list[dict[str, Any]]]) -> tuple
         return tokens
 
     try:
-        t0 = time.perf_counter()
-        counts = await asyncio.gather(*(session(calls) for calls in bodies))
-        return sum(counts), time.perf_counter() - t0
+        with _clocked(lag, "direct"):
+            t0 = time.perf_counter()
+            counts = await asyncio.gather(*(session(calls) for calls in bodies))
+            return sum(counts), time.perf_counter() - t0
     finally:
         await pool.close()
 
@@ -266,15 +316,19 @@ async def _proxy_ratio(engine: Any, work: Path, passes: int, rounds: int, max_to
         tokens[side] = n
 
     served = _model().name
-    async with _proxy_process(engine, work) as (endpoint, proxy_pid):
-        await _reset_cache(engine)
-        await _proxy_pass(endpoint, served, rounds, max_tokens, "warm")
-        bodies = _recorded_bodies(engine, work / "turns", "warm", rounds, max_tokens)
-        for k in range(passes):  # interleaved, so drifting machine load hits both alike
-            await timed("direct", _direct_pass(engine, bodies), None)
-            await timed(
-                "proxy", _proxy_pass(endpoint, served, rounds, max_tokens, f"p{k}"), proxy_pid
-            )
+    lag = _WakeLag()
+    with lag:
+        async with _proxy_process(engine, work) as (endpoint, proxy_pid):
+            await _reset_cache(engine)
+            await _proxy_pass(endpoint, served, rounds, max_tokens, "warm")
+            bodies = _recorded_bodies(engine, work / "turns", "warm", rounds, max_tokens)
+            for k in range(passes):  # interleaved, so drifting machine load hits both alike
+                await timed("direct", _direct_pass(engine, bodies, lag), None)
+                await timed(
+                    "proxy",
+                    _proxy_pass(endpoint, served, rounds, max_tokens, f"p{k}", lag),
+                    proxy_pid,
+                )
     proxy, direct = statistics.median(rates["proxy"]), statistics.median(rates["direct"])
     ratios = [p / d for p, d in zip(rates["proxy"], rates["direct"], strict=True)]
     return {
@@ -295,6 +349,10 @@ async def _proxy_ratio(engine: Any, work: Path, passes: int, rounds: int, max_to
         "server_cpu_ms_per_token": {
             k: round(statistics.median(v), 4) for k, v in server_cpu.items()
         },
+        # seconds the load generator's sampler thread woke late (over 20 ms each) while a
+        # side's clock ran, its passes together, and the latest single wake-up
+        "client_wake_late_s": {k: round(v, 3) for k, v in lag.late.items()},
+        "client_worst_wake_late_s": {k: round(v, 3) for k, v in lag.worst.items()},
         "target_proxy_over_direct": 0.95,
     }
 
