@@ -14,8 +14,8 @@ Each level runs ``concurrency`` workers, each sending ``rounds`` requests back t
 ``prompt_tokens`` ids, ``max_tokens`` out, T = 1, no stop token, not streamed: vLLM's fastest
 path), and counts the tokens that came back over the wall time. The report gives each
 engine's tok/s and the ratios embedded / vllm (the issue asks for >= 0.5 at 8) and embedded /
-embedded_dynamic. Without vLLM
-the vLLM figures are None and ``vllm_skipped`` says why; the embedded figures still run.
+embedded_dynamic. Without vLLM the vLLM figures are None and ``vllm_skipped`` says why; the
+embedded figures still run.
 ``setup.embedded_threads`` is the torch thread count the embedded engine's forwards ran with
 (its ``threads`` option, 1 by default).
 """

@@ -5,13 +5,14 @@ server that legorl launches (``fixtures/models/tiny-agent``, fp32, the engine's 
   rendering, session bookkeeping, Turns written, one more HTTP hop) against the same 16 sessions
   posting to vLLM's ``/v1/completions`` themselves, with the very bodies the ``vllm`` engine
   sends for the prompts the proxy rendered (non-streamed chat calls: one JSON answer from vLLM
-  per call on both sides), over the engine's own lean HTTP/1.1 client. The proxy runs as ``legorl proxy serve --engine vllm --engine-opt
-  base_url=…`` in its own process, as it is deployed; the load generator of both sides runs
-  here. Greedy, so both sides decode the same tokens; the prefix cache is reset before every
-  pass, so neither side is served the other's prefill; sessions are opened before a pass's
-  clock starts. Passes alternate direct, proxy; the figure is the median proxy rate over the
-  median direct rate, with each pass's ratio and the CPU ms per output token of the load
-  generator, the proxy's process and the vLLM server beside it, and the seconds a sampler
+  per call on both sides), over the engine's own lean HTTP/1.1 client. The proxy runs as
+  ``legorl proxy serve --engine vllm --engine-opt base_url=…`` in its own process, as it is
+  deployed; the load generator of both sides runs here. Greedy, so both sides decode the same
+  tokens; the prefix cache is reset before every pass, so neither side is served the other's
+  prefill; sessions are opened before a pass's clock starts. Passes alternate direct, proxy;
+  the figure is the median proxy rate over the median direct rate, with each pass's ratio and
+  the CPU ms per output token of the load generator, the proxy's process and the vLLM server
+  beside it, and the seconds a sampler
   thread of the load generator woke late while each side's clock ran (``client_wake_late_s``:
   the machine keeping this process off a CPU, or its own main thread holding the GIL).
   Target >= 0.95.
@@ -164,7 +165,6 @@ async def _direct_pass(
     async def session(calls: list[dict[str, Any]]) -> int:
         tokens = 0
         for body in calls:
-            assert not body["stream"], "the proxy's calls here are non-streamed"
             status, answer = await pool.post("/v1/completions", orjson.dumps(body))
             if status != 200:
                 raise RuntimeError(f"vLLM answered {status}: {answer[:500]!r}")
@@ -316,8 +316,7 @@ async def _proxy_ratio(engine: Any, work: Path, passes: int, rounds: int, max_to
         tokens[side] = n
 
     served = _model().name
-    lag = _WakeLag()
-    with lag:
+    with _WakeLag() as lag:
         async with _proxy_process(engine, work) as (endpoint, proxy_pid):
             await _reset_cache(engine)
             await _proxy_pass(endpoint, served, rounds, max_tokens, "warm")
