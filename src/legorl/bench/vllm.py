@@ -5,7 +5,8 @@ server that legorl launches (``fixtures/models/tiny-agent``, fp32, the engine's 
   rendering, session bookkeeping, Turns written, one more HTTP hop) against the same 16 sessions
   posting to vLLM's ``/v1/completions`` themselves, with the very bodies the ``vllm`` engine
   sends for the prompts the proxy rendered (non-streamed chat calls: one JSON answer from vLLM
-  per call on both sides), over the engine's own lean HTTP/1.1 client. The proxy runs as
+  per call on both sides). Both sides post over the engine's own lean HTTP/1.1 client, so they
+  differ by the proxy alone. The proxy runs as
   ``legorl proxy serve --engine vllm --engine-opt base_url=…`` in its own process, as it is
   deployed; the load generator of both sides runs here. Greedy, so both sides decode the same
   tokens; the prefix cache is reset before every pass, so neither side is served the other's
@@ -118,32 +119,41 @@ def _clocked(lag: _WakeLag | None, side: str) -> Iterator[None]:
 async def _proxy_pass(
     endpoint: Any, served: str, rounds: int, max_tokens: int, tag: str, lag: _WakeLag | None = None
 ) -> tuple[int, float]:
-    """(output tokens, seconds) of ``SESSIONS`` sessions x ``rounds`` chat calls via the proxy.
-    Sessions are opened before the clock starts and closed after it stops: the figure is the
-    calls' (the direct side opens nothing)."""
-    import httpx
+    """(output tokens, seconds) of ``SESSIONS`` sessions x ``rounds`` chat calls via the proxy,
+    posted over the same lean HTTP/1.1 client as the direct side's, so that the two sides differ
+    by the proxy alone. Sessions are opened before the clock starts and closed after it stops:
+    the figure is the calls' (the direct side opens nothing)."""
+    from urllib.parse import urlsplit
+
+    import orjson
+
+    from legorl.engines.http1 import Http1Pool
 
     urls = [(await endpoint.open_session(f"{tag}-{i}")).url for i in range(SESSIONS)]
-    async with httpx.AsyncClient(timeout=600) as client:
+    pool = Http1Pool(endpoint.url, timeout_s=600)
 
-        async def session(i: int) -> int:
-            tokens = 0
-            for r in range(rounds):
-                body = {
-                    "model": served,
-                    "messages": _messages(i, r),
-                    "max_tokens": max_tokens,
-                    "temperature": 0.0,
-                }
-                answer = await client.post(f"{urls[i]}/v1/chat/completions", json=body)
-                answer.raise_for_status()
-                tokens += answer.json()["usage"]["completion_tokens"]
-            return tokens
+    async def session(i: int) -> int:
+        tokens, path = 0, f"{urlsplit(urls[i]).path}/v1/chat/completions"
+        for r in range(rounds):
+            body = {
+                "model": served,
+                "messages": _messages(i, r),
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+            }
+            status, answer = await pool.post(path, orjson.dumps(body))
+            if status != 200:
+                raise RuntimeError(f"the proxy answered {status}: {answer[:500]!r}")
+            tokens += orjson.loads(answer)["usage"]["completion_tokens"]
+        return tokens
 
+    try:
         with _clocked(lag, "proxy"):
             t0 = time.perf_counter()
             counts = await asyncio.gather(*(session(i) for i in range(SESSIONS)))
             seconds = time.perf_counter() - t0
+    finally:
+        await pool.close()
     for i in range(SESSIONS):
         await endpoint.close_session(f"{tag}-{i}")
     return sum(counts), seconds
