@@ -818,6 +818,10 @@ class DockerCache:
 # ---- containers ------------------------------------------------------------------------------
 
 
+#: How long an ended command's stream must stay quiet before its output is taken as complete.
+_DRAIN_S = 1.0
+
+
 def _frames(buf: bytearray) -> list[tuple[int, bytes]]:
     """Pop complete multiplexed frames (8-byte header: stream, 0, 0, 0, size) from ``buf``."""
     out = []
@@ -981,6 +985,7 @@ class DockerSandbox:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_WR)
             idle_since = time.monotonic()
+            ended = False
             while True:
                 for _, data in _frames(buf):
                     cap.add(data)
@@ -1003,11 +1008,17 @@ class DockerSandbox:
                         return
                     buf += data
                     idle_since = now
-                elif now - idle_since > 0.5:
+                elif ended and now - idle_since > _DRAIN_S:
+                    return  # ended, and no more output came: a background child holds the stream
+                elif not ended and now - idle_since > 0.5:
                     # The command may have ended while a background child keeps the stream open.
+                    # Docker answers the start before the process runs (not yet started reads as
+                    # not running, with no exit code), and copies the output to this socket after
+                    # the process has ended: both can lag on a busy host, so the stream is read
+                    # until it has been quiet for _DRAIN_S after the end.
                     idle_since = now
-                    if not self.api.exec_inspect(exec_id).get("Running"):
-                        return
+                    info = self.api.exec_inspect(exec_id)
+                    ended = not info.get("Running") and info.get("ExitCode") is not None
         finally:
             with contextlib.suppress(OSError):
                 sock.close()
