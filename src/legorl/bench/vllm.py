@@ -13,9 +13,9 @@ server that legorl launches (``fixtures/models/tiny-agent``, fp32, the engine's 
   prefill; sessions are opened before a pass's clock starts. Passes alternate direct, proxy;
   the figure is the median proxy rate over the median direct rate, with each pass's ratio and
   the CPU ms per output token of the load generator, the proxy's process and the vLLM server
-  beside it, and the seconds a sampler
-  thread of the load generator woke late while each side's clock ran (``client_wake_late_s``:
-  the machine keeping this process off a CPU, or its own main thread holding the GIL).
+  beside it, and the seconds a sampler thread of the load generator woke late while each
+  side's clock ran (``client_wake_late_s``: the machine keeping this process off a CPU, or its
+  own main thread holding the GIL).
   Target >= 0.95.
 * weight sync: seconds of one full reload into the running server (``collective_rpc``
   ``reload_weights``, then ``reset_prefix_cache``: what ``legorl train --push`` and the loop do
@@ -38,7 +38,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -116,78 +116,85 @@ def _clocked(lag: _WakeLag | None, side: str) -> Iterator[None]:
             lag.side = None
 
 
-async def _proxy_pass(
-    endpoint: Any, served: str, rounds: int, max_tokens: int, tag: str, lag: _WakeLag | None = None
+async def _post_all(
+    base_url: str,
+    calls: list[list[tuple[str, bytes]]],
+    count: Callable[[Any], int],
+    lag: _WakeLag | None,
+    side: str,
 ) -> tuple[int, float]:
-    """(output tokens, seconds) of ``SESSIONS`` sessions x ``rounds`` chat calls via the proxy,
-    posted over the same lean HTTP/1.1 client as the direct side's, so that the two sides differ
-    by the proxy alone. Sessions are opened before the clock starts and closed after it stops:
-    the figure is the calls' (the direct side opens nothing)."""
-    from urllib.parse import urlsplit
-
+    """(output tokens, seconds) of one pass: each session posts its (path, body) calls back to
+    back over the engine's own lean HTTP/1.1 client (``engines/http1.py``), the same client on
+    both sides, so that they differ by the proxy alone; ``count`` reads an answer's output
+    tokens. The bodies are encoded before the clock starts."""
     import orjson
 
     from legorl.engines.http1 import Http1Pool
 
-    urls = [(await endpoint.open_session(f"{tag}-{i}")).url for i in range(SESSIONS)]
-    pool = Http1Pool(endpoint.url, timeout_s=600)
+    pool = Http1Pool(base_url, timeout_s=600)
 
-    async def session(i: int) -> int:
-        tokens, path = 0, f"{urlsplit(urls[i]).path}/v1/chat/completions"
-        for r in range(rounds):
-            body = {
+    async def session(posts: list[tuple[str, bytes]]) -> int:
+        tokens = 0
+        for path, body in posts:
+            status, answer = await pool.post(path, body)
+            if status != 200:
+                raise RuntimeError(f"{base_url}{path} answered {status}: {answer[:500]!r}")
+            tokens += count(orjson.loads(answer))
+        return tokens
+
+    try:
+        with _clocked(lag, side):
+            t0 = time.perf_counter()
+            counts = await asyncio.gather(*(session(posts) for posts in calls))
+            return sum(counts), time.perf_counter() - t0
+    finally:
+        await pool.close()
+
+
+async def _proxy_pass(
+    endpoint: Any, served: str, rounds: int, max_tokens: int, tag: str, lag: _WakeLag | None = None
+) -> tuple[int, float]:
+    """``SESSIONS`` sessions x ``rounds`` chat calls via the proxy. Sessions are opened before
+    the clock starts and closed after it stops: the figure is the calls' (the direct side opens
+    nothing)."""
+    from urllib.parse import urlsplit
+
+    import orjson
+
+    urls = [(await endpoint.open_session(f"{tag}-{i}")).url for i in range(SESSIONS)]
+    calls = []
+    for i, url in enumerate(urls):
+        path = f"{urlsplit(url).path}/v1/chat/completions"
+        bodies = [
+            {
                 "model": served,
                 "messages": _messages(i, r),
                 "max_tokens": max_tokens,
                 "temperature": 0.0,
             }
-            status, answer = await pool.post(path, orjson.dumps(body))
-            if status != 200:
-                raise RuntimeError(f"the proxy answered {status}: {answer[:500]!r}")
-            tokens += orjson.loads(answer)["usage"]["completion_tokens"]
-        return tokens
-
-    try:
-        with _clocked(lag, "proxy"):
-            t0 = time.perf_counter()
-            counts = await asyncio.gather(*(session(i) for i in range(SESSIONS)))
-            seconds = time.perf_counter() - t0
-    finally:
-        await pool.close()
+            for r in range(rounds)
+        ]
+        calls.append([(path, orjson.dumps(body)) for body in bodies])
+    result = await _post_all(
+        endpoint.url, calls, lambda answer: answer["usage"]["completion_tokens"], lag, "proxy"
+    )
     for i in range(SESSIONS):
         await endpoint.close_session(f"{tag}-{i}")
-    return sum(counts), seconds
+    return result
 
 
 async def _direct_pass(
     engine: Any, bodies: list[list[dict[str, Any]]], lag: _WakeLag | None = None
 ) -> tuple[int, float]:
-    """(output tokens, seconds) of the same sessions posting the engine's bodies to vLLM, over
-    the engine's own lean HTTP/1.1 client (``engines/http1.py``), the fastest way this checkout
-    has to call vLLM: the proxy is measured against the strongest direct caller, not httpx."""
+    """The same sessions posting the engine's bodies to vLLM's ``/v1/completions``."""
     import orjson
 
-    from legorl.engines.http1 import Http1Pool
     from legorl.engines.vllm_client import _steps_of
 
-    pool = Http1Pool(engine.base_url, timeout_s=600)
-
-    async def session(calls: list[dict[str, Any]]) -> int:
-        tokens = 0
-        for body in calls:
-            status, answer = await pool.post("/v1/completions", orjson.dumps(body))
-            if status != 200:
-                raise RuntimeError(f"vLLM answered {status}: {answer[:500]!r}")
-            tokens += len(_steps_of(orjson.loads(answer)))
-        return tokens
-
-    try:
-        with _clocked(lag, "direct"):
-            t0 = time.perf_counter()
-            counts = await asyncio.gather(*(session(calls) for calls in bodies))
-            return sum(counts), time.perf_counter() - t0
-    finally:
-        await pool.close()
+    calls = [[("/v1/completions", orjson.dumps(body)) for body in session] for session in bodies]
+    return await _post_all(
+        engine.base_url, calls, lambda answer: len(_steps_of(answer)), lag, "direct"
+    )
 
 
 def _recorded_bodies(
