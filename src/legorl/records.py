@@ -106,6 +106,9 @@ class Task(Record):
     source: str | None = None  # git bundle or URL of the repository, relative to the task file
     split: str | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    #: Required tests none of whose assertions can be judged out of process (the judge
+    #: cannot rewrite them); graded on their in-process outcome alone, flagged.
+    uncoverable: list[str] = field(default_factory=list)
 
     def check(self) -> None:
         if not self.FAIL_TO_PASS:

@@ -24,14 +24,17 @@ import contextlib
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from legorl.protocols import Limits, Sandbox, SandboxBackend, SandboxError
 from legorl.records import ENVIRONMENT_FAILURES, Task, Trajectory, Turn
-from legorl.verify.runner import forged_printed, judge, run_tests
+from legorl.verify import assertions
+from legorl.verify.gold import GoldRecord, GoldRun, GoldStore
+from legorl.verify.runner import TestRun, forged_printed, framing, judge, run_tests, sources_of
 from legorl.verify.specs import SpecError, resolve
-from legorl.verify.tree import GRADE_DIR, apply_model_patch, apply_test_patch
+from legorl.verify.tree import GRADE_DIR, Judged, apply_model_patch, apply_test_patch
 
 _HISTORY = re.compile(
     r"git\s+(log|reflog|show|fsck|cat-file|rev-list|for-each-ref|describe|stash|tag|"
@@ -53,6 +56,8 @@ class VerifyConfig:
     #: ``sanitize`` instead of judging the applied tree) and "strict_patch" (malformed text and
     #: .git paths not refused, the old git and fallbacks).
     defences_off: frozenset[str] = frozenset()
+    #: Where gold records are cached (None: legorl's cache folder, ``gold/``).
+    gold_cache: Path | None = None
 
 
 def flags_from_turns(turns: Iterable[Turn]) -> list[str]:
@@ -65,6 +70,156 @@ def flags_from_turns(turns: Iterable[Turn]) -> list[str]:
             if _NETWORK.search(call.arguments):
                 flags.add("network_attempt")
     return sorted(flags)
+
+
+async def _judged_run(
+    task: Task,
+    patch: str,
+    *,
+    backend: SandboxBackend,
+    tasks_dir: str,
+    run_id: str,
+    config: VerifyConfig,
+    runner_paths: frozenset[str],
+    plan_for: Callable[[dict[str, str]], assertions.Plan | None],
+) -> _Run:
+    """One verdict-bearing run in a fresh grading sandbox: ``patch`` applied and judged as a
+    tree, the test_patch applied, the pristine test files read, the tests rewritten by
+    ``plan_for(sources)`` and run as the judged user. The sandbox is closed after."""
+    out = _Run()
+    sandbox: Sandbox | None = None
+    try:
+        import inspect  # TEMP until the lockdown interface lands
+
+        extra = (
+            {"grading": True} if "grading" in inspect.signature(backend.start).parameters else {}
+        )
+        sandbox = await backend.start(
+            task,
+            tasks_dir,
+            run_id=run_id,
+            proxy_url=None,
+            limits=_grading_limits(config.limits),
+            harness_runtime=False,
+            **extra,
+        )
+        out.judged = await apply_model_patch(
+            sandbox, task, patch, defences_off=config.defences_off, runners=runner_paths
+        )
+        if out.judged.method is None:
+            return out
+        applied, error = await apply_test_patch(sandbox, task, defences_off=config.defences_off)
+        if applied is None:
+            out.error = f"the task's test_patch does not apply: {error}"
+            return out
+        grader = resolve(task)
+        required = task.FAIL_TO_PASS + task.PASS_TO_PASS
+        names = assertions.needed_files(required, **framing(grader))
+        out.sources = await sources_of(sandbox, names)
+        out.plan = plan_for(out.sources)
+        out.test_run = await run_tests(
+            sandbox,
+            task,
+            grade_dir=GRADE_DIR,
+            timeout=config.test_timeout,
+            off=config.defences_off,
+            plan=out.plan,
+        )
+    except SandboxError as exc:
+        out.error = f"grading sandbox failed: {exc}"
+    finally:
+        if sandbox is not None:
+            with contextlib.suppress(Exception):
+                await sandbox.close()
+    return out
+
+
+#: The judged run's record stream carries every assertion's operands: room for them, bounded.
+STREAM_BYTES = 64 << 20
+
+
+def _grading_limits(limits: Limits | None) -> Limits:
+    base = limits or Limits()
+    return replace(base, output_bytes=max(base.output_bytes, STREAM_BYTES))
+
+
+@dataclass(slots=True)
+class _Run:
+    judged: Judged | None = None
+    error: str = ""  # an environment failure of grading
+    sources: dict[str, str] = field(default_factory=dict)
+    plan: assertions.Plan | None = None
+    test_run: TestRun | None = None
+
+
+_GOLD: dict[str, GoldStore] = {}
+
+
+def gold_store(config: VerifyConfig, backend: SandboxBackend) -> GoldStore:
+    key = f"{config.gold_cache or ''}\0{backend.name}"
+    if key not in _GOLD:
+        _GOLD[key] = GoldStore(config.gold_cache, backend.name)
+    return _GOLD[key]
+
+
+async def gold_record(
+    task: Task,
+    *,
+    backend: SandboxBackend,
+    tasks_dir: str,
+    run_id: str,
+    config: VerifyConfig,
+    runner_paths: frozenset[str],
+) -> GoldRecord:
+    """The task's gold record (`gold.py`), recorded in two judged runs when not cached."""
+    grader = resolve(task)
+    required = task.FAIL_TO_PASS + task.PASS_TO_PASS
+    seen: list[list[dict[str, Any]]] = []
+
+    async def record_run(inproc: set[str], sources: dict[str, str] | None) -> GoldRun:
+        def plan_for(found: dict[str, str]) -> assertions.Plan:
+            return assertions.plan_files(
+                required, sources or found, **framing(grader), inproc=inproc
+            )
+
+        run = await _judged_run(
+            task,
+            task.patch,
+            backend=backend,
+            tasks_dir=tasks_dir,
+            run_id=f"{run_id}-gold",
+            config=config,
+            runner_paths=runner_paths,
+            plan_for=plan_for,
+        )
+        if run.error or run.judged is None or run.judged.method is None or run.test_run is None:
+            why = run.error or (run.judged.error if run.judged else "") or "no test run"
+            return GoldRun(ok=False, reason=why, sources=run.sources)
+        found = run.test_run.records
+        plan = run.plan
+        assert plan is not None
+        gold_now = assertions.Gold(runs=[assertions.by_test(r) for r in [*seen, found]])
+        seen.append(found)
+        # The gold run's own assertions must hold; coverage is a rule for candidates.
+        tests, _flags, _notes = judge(
+            replace(task, uncoverable=required),
+            run.test_run,
+            run.judged.diff,
+            config.defences_off,
+            plan=plan,
+            gold=gold_now if len(seen) > 1 else None,
+        )
+        bad = sorted(t for t, o in tests.items() if o != "passed")
+        if bad:
+            why = _notes.get("assertion_failures", {}).get(bad[0]) or tests[bad[0]]
+            return GoldRun(
+                ok=False,
+                reason=f"{len(bad)} required test(s) did not pass, {bad[0]}: {why}",
+                sources=run.sources,
+            )
+        return GoldRun(ok=True, sources=run.sources, records=found)
+
+    return await gold_store(config, backend).get(task, record_run)
 
 
 async def grade(
@@ -81,28 +236,47 @@ async def grade(
     flags = set(flags_from_turns(turns))
     verdict: dict[str, Any] = {"resolved": False}
     t0 = time.monotonic()
-    sandbox: Sandbox | None = None
     try:
-        runner_paths = resolve(task).runner_paths()
+        grader = resolve(task)
+        runner_paths = grader.runner_paths()
     except SpecError as exc:
         verdict["reason"] = str(exc)
         return _done(traj, None, verdict, flags, t0)
-    try:
-        sandbox = await backend.start(
+    judging = "judge_assertions" not in config.defences_off
+    record: GoldRecord | None = None
+    if judging:
+        record = await gold_record(
             task,
-            tasks_dir,
+            backend=backend,
+            tasks_dir=tasks_dir,
             run_id=run_id,
-            proxy_url=None,
-            limits=config.limits,
-            harness_runtime=False,
+            config=config,
+            runner_paths=runner_paths,
         )
-        judged = await apply_model_patch(
-            sandbox,
-            task,
-            traj.patch,
-            defences_off=config.defences_off,
-            runners=runner_paths,
+        if not record.ok:
+            verdict["reason"] = f"the control grading failed: {record.reason}"
+            return _done(traj, None, verdict, flags, t0)
+    required = task.FAIL_TO_PASS + task.PASS_TO_PASS
+
+    def plan_for(found: dict[str, str]) -> assertions.Plan | None:
+        if record is None:
+            return None
+        return assertions.plan_files(
+            required, record.sources, **framing(grader), inproc=set(record.inproc)
         )
+
+    run = await _judged_run(
+        task,
+        traj.patch,
+        backend=backend,
+        tasks_dir=tasks_dir,
+        run_id=run_id,
+        config=config,
+        runner_paths=runner_paths,
+        plan_for=plan_for,
+    )
+    judged = run.judged
+    if judged is not None:
         flags.update(judged.flags)
         verdict["dropped"] = judged.reverted
         if judged.method is None:
@@ -110,21 +284,11 @@ async def grade(
             verdict.update(patch_apply=None, reason=why)
             return _done(traj, 0.0, verdict, flags, t0)
         verdict["patch_apply"] = judged.method
-        clean = judged.diff
-        applied, error = await apply_test_patch(sandbox, task, defences_off=config.defences_off)
-        if applied is None:
-            verdict["reason"] = f"the task's test_patch does not apply: {error}"
-            return _done(traj, None, verdict, flags, t0)
-        test_run = await run_tests(
-            sandbox, task, grade_dir=GRADE_DIR, timeout=config.test_timeout, off=config.defences_off
-        )
-    except SandboxError as exc:
-        verdict["reason"] = f"grading sandbox failed: {exc}"
+    if run.error or judged is None or run.test_run is None:
+        verdict["reason"] = run.error or "grading did not run"
         return _done(traj, None, verdict, flags, t0)
-    finally:
-        if sandbox is not None:
-            with contextlib.suppress(Exception):
-                await sandbox.close()
+    clean = judged.diff
+    test_run = run.test_run
     results = test_run.results
     if results.forged_lines and not test_run.run.truncated:
         flags.add("forged_report")
@@ -135,7 +299,14 @@ async def grade(
         flags.add("forged_output")
     if forged_printed(test_run, task):
         flags.add("forged_output")
-    tests, runner_flags, notes = judge(task, test_run, clean, config.defences_off)
+    tests, runner_flags, notes = judge(
+        task,
+        test_run,
+        clean,
+        config.defences_off,
+        plan=run.plan,
+        gold=record.gold() if record is not None else None,
+    )
     flags.update(runner_flags)
     resolved = all(o == "passed" for o in tests.values())
     verdict.update(resolved=resolved, tests=tests, **notes)

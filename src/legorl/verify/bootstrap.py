@@ -1,46 +1,40 @@
-"""Launches the graded test run so that nothing in the repository can stand in for the runner
-(stdlib only; copied into the grading dir outside the repository under a per-run name).
+"""Launches the judged test run (stdlib only). It and the grader modules it loads come in
+through stdin into memory, never as files the judged code could read or change:
 
-    python -I -B /tmp/legorl-grade/boot-….py pytest SINK [OPTIONS] -- PYTEST_ARGS < key
-    python -I -B /tmp/legorl-grade/boot-….py plain SINK [OPTIONS] -- NODEID … < key
-    python -I -B /tmp/legorl-grade/boot-….py unittest SINK [OPTIONS] -- SCRIPT ARGS < key
-    python -I -B /tmp/legorl-grade/boot-….py unittest SINK [OPTIONS] -- -m MODULE ARGS < key
+    python -I -B -c "$(LOADER)" pytest -- PYTEST_ARGS        < key line + JSON bundle
+    python -I -B -c "$(LOADER)" unittest -- SCRIPT ARGS      < key line + JSON bundle
+    python -I -B -c "$(LOADER)" unittest -- -m MODULE ARGS   < key line + JSON bundle
 
-OPTIONS: ``--no-integrity``, ``--no-twin``, ``--no-audit``, ``--ctypes`` (``plain``: let
-``_ctypes`` be imported), ``--xfail-passes`` (an expected failure counts as passed),
-``--django=FOLDER:SETTINGS`` (``plain``: Django's test settings
-first, `plainrun.django_setup`), ``--watch=FILE`` (a JSON list of the test ids whose
-outcomes are recorded one by one; the others are only counted), ``--log=FILE`` (where the run's
-own stdout and stderr go).
+``LOADER`` (`runner.LOADER`) reads the one-time key and the bundle (``{"modules": {name:
+source}, "options": {...}}``) and runs this module's ``main`` with them. Options:
+``integrity`` (the runner's guard), ``audit`` (the hook of `audit.py`), ``xfail_passes`` (an
+expected failure counts as passed: a control only), ``watch`` (the test ids whose outcomes are
+recorded one by one; the others are only counted), ``log`` (where the run's own stdout and
+stderr go), ``judge`` (install the operand sender of `operands.py` as ``__legorl__``).
 
 ``-I`` keeps the working and script directories off ``sys.path`` and ignores ``PYTHON*``. The
-key is read from stdin before anything else; the record stream goes to a duplicate of the
-original stdout (``SINK`` ``fd``) or to a file (``SINK`` a path, the ``stream`` defence off).
-In ``pytest`` mode plugin autoload is off, the environment's own plugins are loaded from its
-installed distributions' entry points before the repository joins ``sys.path`` (at the end),
-and our plugin goes to ``pytest.main`` as an object under a random module name; repository
-modules the environment also has (which lose to it) are named in a signed ``shadowed`` record. ``plain`` mode
-runs the named tests with the independent runner (`plainrun.py`), never importing ``_pytest``.
+record stream goes to a duplicate of the original stdout, signed and chained
+(`pytest_report.channel`). In ``pytest`` mode plugin autoload is off, the environment's own
+plugins are loaded from its installed distributions' entry points before the repository joins
+``sys.path`` (at the end), and our plugin goes to ``pytest.main`` as an object under a random
+module name; repository modules the environment also has are named in a ``shadowed`` record.
 ``unittest`` mode puts our result recorder in place (`unittest_report.py`), then runs the
 runner script (or module) with ``runpy`` as ``__main__``, the repository and the script's
-folder last on ``sys.path``; its ``SystemExit`` status goes into the signed finish record.
-Before the repository joins ``sys.path`` an audit hook goes in (`plainrun.audit`): the full
-one in ``plain`` mode, in ``pytest`` mode one refusing only what pytest never needs. The
-signer is only ever a local of `main`, never a global or an attribute of anything importable.
-The process exits with the runner's own exit status.
+folder last on ``sys.path``; its ``SystemExit`` status goes into the finish record. The process
+exits with the runner's own exit status.
 """
 
 import importlib.util
-import json
 import os
 import secrets
 import sys
 
 
-def _load(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
+def _load(bundle, name):
+    """A grader module from the bundle, under a random module name."""
+    module = type(sys)("_legorl_" + secrets.token_hex(8))
+    module.__file__ = "<legorl>"
+    exec(compile(bundle["modules"][name], f"<legorl {name}>", "exec"), module.__dict__)
     return module
 
 
@@ -67,15 +61,16 @@ def _shadowing(repo):
     return names
 
 
-def _unittest(here, args, emit, guard, repo, plain, options, watch):
+def _unittest(bundle, args, emit, guard, repo, options, watch):
     import runpy
 
-    ut = _load(os.path.join(here, "unittest_report.py"), "_legorl_" + secrets.token_hex(8))
-    xfail = "passed" if "--xfail-passes" in options else "xfailed"
-    integrity = "--no-integrity" not in options
-    finish = ut.install(emit, guard, integrity=integrity, watch=watch, xfail=xfail)
-    if "--no-audit" not in options:
-        plain.audit(pytest=True)
+    ut = _load(bundle, "unittest_report.py")
+    xfail = "passed" if options.get("xfail_passes") else "xfailed"
+    finish = ut.install(
+        emit, guard, integrity=options.get("integrity", True), watch=watch, xfail=xfail
+    )
+    if options.get("audit", True):
+        _load(bundle, "audit.py").audit()
     sys.path.append(repo)
     try:
         if args[0] == "-m":
@@ -93,44 +88,34 @@ def _unittest(here, args, emit, guard, repo, plain, options, watch):
     return code
 
 
-def main():
-    here = os.path.dirname(os.path.abspath(__file__))
-    report = _load(os.path.join(here, "pytest_report.py"), "_legorl_" + secrets.token_hex(8))
-    key = report.read_key()
-    mode, sink = sys.argv[1], sys.argv[2]
+def main(key, bundle):
+    report = _load(bundle, "pytest_report.py")
+    mode = sys.argv[1]
     split = sys.argv.index("--")
-    options, args = sys.argv[3:split], sys.argv[split + 1 :]
+    args = sys.argv[split + 1 :]
+    options = bundle.get("options", {})
     # A duplicate of stdout is not inherited by children, and pytest's capture moves fd 1,
     # never this one.
-    fd = os.dup(1) if sink == "fd" else os.open(sink, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    emit = report.channel(key, fd)
+    emit = report.channel(key, os.dup(1))
     del key
-    settings = dict(o[2:].split("=", 1) for o in options if "=" in o)
-    if "log" in settings:
+    log = options.get("log")
+    if log:
         # The run's own output goes to a file, so the exec output (capped) holds records only.
-        log = os.open(settings["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    else:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        os.close(null)
+    if options.get("judge", True):
+        _load(bundle, "operands.py").install(emit)
     repo = os.getcwd()
-    plain = _load(os.path.join(here, "plainrun.py"), "_legorl_" + secrets.token_hex(8))
-    if mode == "plain":
-        ctypes = "--ctypes" in options
-        refused = [] if "--no-audit" in options else plain.audit(ctypes=ctypes)
-        sys.path.append(repo)
-        twin = "--no-twin" not in options
-        if "--xfail-passes" in options:
-            plain.XFAIL[0] = "passed"
-        setup = None
-        if "django" in settings:
-            setup = lambda: plain.django_setup(repo, settings["django"], args)  # noqa: E731
-        sys.exit(plain.run(args, emit, repo=repo, twin=twin, refused=refused, setup=setup))
-    watch = None
-    if "watch" in settings:
-        with open(settings["watch"], encoding="utf-8") as fh:
-            watch = frozenset(json.load(fh))
+    watch = frozenset(options["watch"]) if options.get("watch") is not None else None
     if mode == "unittest":
-        sys.exit(_unittest(here, args, emit, report.Guard, repo, plain, options, watch))
+        sys.exit(_unittest(bundle, args, emit, report.Guard, repo, options, watch))
     os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     from importlib.metadata import entry_points
 
@@ -148,15 +133,11 @@ def main():
     ours = report.make_plugin(
         emit,
         "_legorl_" + secrets.token_hex(8),
-        integrity="--no-integrity" not in options,
+        integrity=options.get("integrity", True),
         watch=watch,
     )
-    if "--no-audit" not in options:
-        plain.audit(pytest=True)
+    if options.get("audit", True):
+        _load(bundle, "audit.py").audit()
     sys.path.append(repo)
     code = pytest.main(args, plugins=[*plugins, ours])
     sys.exit(int(code))
-
-
-if __name__ == "__main__":
-    main()

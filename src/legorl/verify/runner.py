@@ -1,35 +1,28 @@
-"""The test phase of grading: launch the task's tests through our bootstrap, read the signed
-record stream out of the exec output, run the FAIL_TO_PASS tests again in the independent
-runner (with their twins), and judge it all into outcomes and flags.
+"""The test phase of grading: one judged run of the task's tests, its signed record stream read
+out of the exec output, and the verdict: each required test's in-process outcome and, above
+all, its assertions judged out of process (`assertions.py`).
 
     legorl verify runs/traj.jsonl --tasks … --out runs/graded.jsonl   (grade() calls this)
 
-Defences, each switched off for a control by naming it in ``VerifyConfig.defences_off``:
-``isolated_runner`` (off: ``python -m pytest -p legorl_pytest_report`` from the repository
-root, the plugin looked up by name), ``stream`` (off: records go to a report file that is read
-afterwards), ``integrity`` (the guard's ``tampered`` records), ``exit_code`` (the sandbox's real
-exit code against the outcomes and the signed finish), ``differential`` (FAIL_TO_PASS passed by
-pytest must pass in the independent runner), ``twin`` (a FAIL_TO_PASS test whose comparisons also
-hold against an impossible value gets ``always_equal``), ``audit`` (the independent runner's audit hook
-that keeps the signer out of the test code's reach, `plainrun.audit`), ``audit_pytest`` (the
-narrower one in the pytest run), ``ctypes_absent`` (the independent runner cannot import
-``_ctypes``, whose pointers read and write memory with no audit event), ``xfail_is_failure``
-(an expected failure of a unittest test is not a pass, in the recorder and the independent
-runner: the code under test can mark it so), ``unittest_stream``
-(off: a unittest-based runner is graded from its printed output alone, as the official harness
-grades it).
+The run is judged, not trusted. It executes as an unprivileged user in a grading sandbox whose
+root file system is read-only (`SandboxBackend.start(grading=True)`, `Sandbox.exec(judged=
+True)`); the grader's own code comes in on stdin (`bootstrap.py`), and grading's files in the
+sandbox are root's alone (mode 0700). The required tests' files have been rewritten so that the
+run's assertions send operands out instead of comparing them.
 
-The run under the task's own runner cannot keep its signer from the code under test: pytest and
-Django's runner need frames, and a frame, a closure (``unittest.TestCase.run.__closure__``) or
-ctypes reaches it. What that run signs is trusted only as far as the independent runner, where
-frames, object walks and ``_ctypes`` are out of reach, agrees: every FAIL_TO_PASS test it can
-run must pass there.
+Defences, each switched off for a control by naming it in ``VerifyConfig.defences_off``:
+``judge_assertions`` (off: the tests run as written and the in-process outcomes alone decide),
+``isolated_runner`` (off: ``python -m pytest -p legorl_pytest_report`` from the repository root,
+the plugin looked up by name), ``integrity`` (the guard's ``tampered`` records), ``exit_code``
+(the sandbox's real exit code against the outcomes and the signed finish), ``audit_pytest`` (the
+in-process audit hook, `audit.py`), ``xfail_is_failure`` (an expected failure of a unittest
+test is not a pass), ``unittest_stream`` (off: a unittest-based runner is graded from its
+printed output alone, as the official harness grades it).
 """
 
 from __future__ import annotations
 
 import json
-import re
 import secrets
 import shlex
 from dataclasses import dataclass, field, replace
@@ -38,27 +31,36 @@ from typing import Any
 
 from legorl.protocols import ExecResult, Sandbox, SandboxError
 from legorl.records import Task
+from legorl.verify import assertions
 from legorl.verify.parsers import TestResults, parse_stream, records
 from legorl.verify.scans import constant_comparisons, runner_tamper_suspects
-from legorl.verify.specs import Grader, resolve, swebench_parser, test_files
+from legorl.verify.specs import Grader, resolve, swebench_parser
 
 HERE = Path(__file__).resolve().parent
 DEFENCES = frozenset(
     {
+        "judge_assertions",
         "isolated_runner",
-        "stream",
         "integrity",
         "exit_code",
-        "differential",
-        "twin",
-        "audit",
         "audit_pytest",
-        "ctypes_absent",
         "xfail_is_failure",
         "unittest_stream",
     }
 )
 _EXTRA = ["-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", "."]
+#: The grader modules the judged run gets on stdin.
+BUNDLE = ("bootstrap.py", "pytest_report.py", "unittest_report.py", "audit.py", "operands.py")
+#: Reads the key and the bundle from stdin, then runs the bootstrap from memory.
+LOADER = (
+    "import sys, json\n"
+    "key = sys.stdin.buffer.readline().strip()\n"
+    "bundle = json.loads(sys.stdin.buffer.read())\n"
+    "space = {'__name__': '_legorl_boot'}\n"
+    "exec(compile(bundle['modules']['bootstrap.py'], '<legorl bootstrap.py>', 'exec'), space)\n"
+    "space['main'](key, bundle)\n"
+)
+LOG_CAP = 1 << 20  # the tail of the run's printed output read back (evidence only)
 
 
 def pytest_args(task: Task) -> list[str] | None:
@@ -70,29 +72,22 @@ def pytest_args(task: Task) -> list[str] | None:
     return None
 
 
-def _test_command(
-    task: Task, grader: Grader, *, boot: str, sink: str, off: frozenset[str], options: list[str]
-) -> str:
+def _test_command(task: Task, grader: Grader, off: frozenset[str]) -> str:
     if grader.kind == "output":
         return grader.command
     if grader.kind == "unittest":
         argv = shlex.split(grader.command)
         if argv and argv[0] in ("python", "python3"):
             argv = argv[1:]
-        options = [*options, *(["--no-integrity"] if "integrity" in off else [])]
-        options += ["--no-audit"] if "audit_pytest" in off else []
-        options += ["--xfail-passes"] if "xfail_is_failure" in off else []
-        return shlex.join(["python", "-I", "-B", boot, "unittest", sink, *options, "--", *argv])
+        return shlex.join(["python", "-I", "-B", "-c", LOADER, "unittest", "--", *argv])
     # Our plugin, and nothing from the repository's own pytest options.
     args = pytest_args(replace(task, test_cmd=grader.command))
     if args is None:
         return grader.command
     if "isolated_runner" in off:
         return shlex.join(["python", "-m", "pytest", "-p", "legorl_pytest_report", *_EXTRA, *args])
-    options = [*options, *(["--no-integrity"] if "integrity" in off else [])]
-    options += ["--no-audit"] if "audit_pytest" in off else []
     tail = [*_EXTRA, "--import-mode=append", *args]
-    return shlex.join(["python", "-I", "-B", boot, "pytest", sink, *options, "--", *tail])
+    return shlex.join(["python", "-I", "-B", "-c", LOADER, "pytest", "--", *tail])
 
 
 @dataclass(slots=True)
@@ -100,84 +95,128 @@ class TestRun:
     run: ExecResult
     results: TestResults
     log: str  # what the run printed (the code under test could write it too)
-    plain: dict[str, dict[str, Any]] | None = None  # nodeid -> the independent runner's record
     grader: Grader | None = None
     #: The official parser's reading of the printed output (test name -> its status word).
     parsed: dict[str, str] = field(default_factory=dict)
+    #: The stream's assertion events by test key (`assertions.by_test`), and their records.
+    events: dict[str, assertions.TestEvents] = field(default_factory=dict)
+    records: list[dict[str, Any]] = field(default_factory=list)
 
 
-async def _stage(sandbox: Sandbox, grade_dir: str) -> str:
-    """Copy the runner files into the grading dir; the bootstrap's path (a per-run name)."""
-    boot = f"{grade_dir}/boot-{secrets.token_hex(6)}.py"
-    await sandbox.write_file(boot, (HERE / "bootstrap.py").read_bytes())
-    for name in ("pytest_report.py", "plainrun.py", "unittest_report.py"):
-        await sandbox.write_file(f"{grade_dir}/{name}", (HERE / name).read_bytes())
-    # The legacy launch (isolated_runner off) finds the plugin by this name.
-    await sandbox.write_file(
-        f"{grade_dir}/legorl_pytest_report.py", (HERE / "pytest_report.py").read_bytes()
+def _bundle(options: dict[str, Any]) -> bytes:
+    modules = {name: (HERE / name).read_text() for name in BUNDLE}
+    return json.dumps({"modules": modules, "options": options}).encode()
+
+
+async def sources_of(sandbox: Sandbox, paths: list[str]) -> dict[str, str]:
+    """The pristine text of test files (read before any repository code runs)."""
+    out = {}
+    for path in paths:
+        try:
+            data = await sandbox.read_file(path)
+        except (FileNotFoundError, IsADirectoryError, SandboxError):
+            continue
+        if len(data) <= 4 << 20:
+            out[path] = data.decode("utf-8", "replace")
+    return out
+
+
+async def _seal(sandbox: Sandbox, grade_dir: str, plan: assertions.Plan | None) -> None:
+    """The rewritten test files in place, and grading's own folder root's alone."""
+    if plan is not None:
+        for path, text in plan.files.items():
+            await sandbox.write_file(path, text.encode())
+    result = await sandbox.exec(
+        ["sh", "-c", f"chmod -R go-rwx {shlex.quote(grade_dir)}"], timeout=60
     )
-    return boot
-
-
-async def _read_stream(sandbox: Sandbox, run: ExecResult, sink: str) -> bytes:
-    if sink == "fd":
-        return run.output.encode()
-    try:
-        return await sandbox.read_file(sink)
-    except (SandboxError, FileNotFoundError, OSError):
-        return b""
+    if result.exit_code != 0:
+        raise SandboxError(f"grading: sealing {grade_dir} failed: {result.output[-200:]}")
 
 
 async def run_tests(
-    sandbox: Sandbox, task: Task, *, grade_dir: str, timeout: float, off: frozenset[str]
+    sandbox: Sandbox,
+    task: Task,
+    *,
+    grade_dir: str,
+    timeout: float,
+    off: frozenset[str],
+    plan: assertions.Plan | None,
 ) -> TestRun:
-    """Run the task's tests once under our launch; the outcomes as the signed stream says (or,
-    for a runner that only prints, as the official parser reads its output)."""
+    """Run the task's tests once, as the judged user; the outcomes as the signed stream says
+    (or, for a runner that only prints, as the official parser reads its output), and the
+    assertion events."""
     grader = resolve(task)
     if grader.kind == "unittest" and "unittest_stream" in off:
         grader = replace(grader, kind="output")
-    boot = await _stage(sandbox, grade_dir)
     key = secrets.token_hex(16)
     tag = secrets.token_hex(4)
-    sink = "fd" if "stream" not in off else f"{grade_dir}/report-{tag}.log"
     required = task.FAIL_TO_PASS + task.PASS_TO_PASS
-    watch, log = f"{grade_dir}/watch-{tag}.json", f"{grade_dir}/pytest-{tag}.log"
-    await sandbox.write_file(watch, json.dumps(required).encode())
-    env = {"PYTHONDONTWRITEBYTECODE": "1"}
+    log = f"/tmp/legorl-run-{tag}.log"
+    await _seal(sandbox, grade_dir, plan if "judge_assertions" not in off else None)
+    env = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
+    stdin = (key + "\n").encode() + _bundle(
+        {
+            "integrity": "integrity" not in off,
+            "audit": "audit_pytest" not in off,
+            "xfail_passes": "xfail_is_failure" in off,
+            "watch": required,
+            "log": log,
+            "judge": "judge_assertions" not in off,
+        }
+    )
     if "isolated_runner" in off and grader.kind == "pytest":
-        env.update(PYTHONPATH=grade_dir, LEGORL_REPORT=sink)
+        await sandbox.write_file(
+            "/tmp/legorl-legacy/legorl_pytest_report.py", (HERE / "pytest_report.py").read_bytes()
+        )
+        env.update(PYTHONPATH="/tmp/legorl-legacy", LEGORL_REPORT="fd")
         env["LEGORL_INTEGRITY"] = "0" if "integrity" in off else "1"
-    run = await sandbox.exec(
-        [
-            "sh",
-            "-c",
-            _test_command(
-                task,
-                grader,
-                boot=boot,
-                sink=sink,
-                off=off,
-                options=[f"--watch={watch}", f"--log={log}"],
-            ),
-        ],
+        stdin = (key + "\n").encode()
+    run = await _judged_exec(
+        sandbox,
+        ["sh", "-c", _test_command(task, grader, off)],
         timeout=timeout,
-        cwd=sandbox.workdir,
         env=env,
-        stdin=(key + "\n").encode(),
+        stdin=stdin if grader.kind != "output" else None,
     )
     printed = run.output
     if "isolated_runner" not in off and grader.kind != "output":
-        printed = (await _read_stream(sandbox, run, log))[-(1 << 20) :].decode(errors="replace")
+        printed = await _tail(sandbox, log)
     parsed = _parse_printed(grader, printed, task)
+    found: list[dict[str, Any]] = []
     if grader.kind == "output":
         results = _from_printed(parsed, task)
     else:
-        results = parse_stream(await _read_stream(sandbox, run, sink), key.encode())
-    test_run = TestRun(run=run, results=results, log=printed, grader=grader, parsed=parsed)
-    wanted = {"differential", "twin"} - off
-    if wanted and all(test_run.results.outcomes.get(t) == "passed" for t in required):
-        test_run.plain = await _plain(sandbox, task, grader, boot=boot, timeout=timeout, off=off)
-    return test_run
+        stream = run.output.encode()
+        results = parse_stream(stream, key.encode())
+        found, _ = records(stream, key.encode())
+    return TestRun(
+        run=run,
+        results=results,
+        log=printed,
+        grader=grader,
+        parsed=parsed,
+        events=assertions.by_test(found),
+        records=[r for r in found if r.get("event") in ("a", "tb", "te")],
+    )
+
+
+async def _judged_exec(
+    sandbox: Sandbox, argv: list[str], *, timeout: float, env: dict[str, str], stdin: bytes | None
+) -> ExecResult:
+    import inspect  # TEMP until the lockdown interface lands
+
+    extra = {"judged": True} if "judged" in inspect.signature(sandbox.exec).parameters else {}
+    return await sandbox.exec(
+        argv, timeout=timeout, cwd=sandbox.workdir, env=env, stdin=stdin, **extra
+    )
+
+
+async def _tail(sandbox: Sandbox, path: str) -> str:
+    """The last ``LOG_CAP`` bytes of a file the run wrote, read through a bounded command."""
+    result = await sandbox.exec(
+        ["sh", "-c", f"tail -c {LOG_CAP} {shlex.quote(path)} 2>/dev/null || true"], timeout=60
+    )
+    return result.output[-LOG_CAP:]
 
 
 def _parse_printed(grader: Grader, printed: str, task: Task) -> dict[str, str]:
@@ -204,7 +243,7 @@ STATUS = {"PASSED": "passed", "XFAIL": "passed", "FAILED": "failed", "ERROR": "e
 
 def _from_printed(parsed: dict[str, str], task: Task) -> TestResults:
     """Outcomes read from printed output only: whatever the run printed decides them, so the
-    exit code and the independent runner are the checks."""
+    exit code is the check."""
     results = TestResults(finished=bool(parsed))  # nothing read: the run never got going
     for name, status in parsed.items():
         results.outcomes[name] = STATUS.get(status, "skipped")
@@ -228,96 +267,23 @@ def forged_printed(test_run: TestRun, task: Task) -> list[str]:
     ]
 
 
-def plain_ids(task: Task, grader: Grader) -> dict[str, str]:
-    """FAIL_TO_PASS names as the independent runner's node ids, where it can run them: pytest
-    ids as they are, ``test_x (pkg.mod.Class)`` of a plain unittest run or of Django's
-    ``tests/runtests.py`` (its labels are below ``tests/``; the file must be one the test_patch
-    touches), and a bare function name (sympy) defined in one test file of the test_patch."""
-    if grader.kind == "pytest":
-        return {t: t for t in task.FAIL_TO_PASS}
-    out: dict[str, str] = {}
-    files = [f for f in test_files(task) if f.endswith(".py")]
-    if django_settings(grader) is not None:
-        for test in task.FAIL_TO_PASS:
-            unit = re.fullmatch(r"(\w+) \(([\w.]+)\)", test)
-            if unit:
-                method, dotted = unit.groups()
-                module, _, cls = dotted.removesuffix("." + method).rpartition(".")
-                path = f"tests/{module.replace('.', '/')}.py"
-                if path in files:
-                    out[test] = f"{path}::{cls}::{method}"
-        return out
-    for test in task.FAIL_TO_PASS:
-        unit = re.fullmatch(r"(\w+) \(([\w.]+)\)", test)
-        words = grader.command.split()
-        runs_unittest = words[words[:1] in (["python"], ["python3"]) :][:2] == ["-m", "unittest"]
-        if unit and runs_unittest:
-            method, dotted = unit.groups()
-            dotted = dotted.removesuffix("." + method)  # Python 3.11 prints it twice
-            module, _, cls = dotted.rpartition(".")
-            out[test] = f"{module.replace('.', '/')}.py::{cls}::{method}"
-        elif grader.kind == "output" and re.fullmatch(r"test_\w+", test):
-            defined = [f for f in files if re.search(rf"^def {test}\(", _file_text(task, f), re.M)]
-            if len(defined) == 1:
-                out[test] = f"{defined[0]}::{test}"
-    return out
+def is_django(grader: Grader) -> bool:
+    return grader.kind == "unittest" and grader.runner == "tests/runtests.py"
 
 
-def django_settings(grader: Grader) -> str | None:
-    """``tests:SETTINGS`` when the grader is Django's ``tests/runtests.py`` with ``--settings``."""
-    if grader.kind != "unittest" or grader.runner != "tests/runtests.py":
-        return None
-    words = shlex.split(grader.command)
-    for i, word in enumerate(words):
-        if word.startswith("--settings="):
-            return "tests:" + word.split("=", 1)[1]
-        if word == "--settings" and i + 1 < len(words):
-            return "tests:" + words[i + 1]
-    return None
-
-
-def _file_text(task: Task, path: str) -> str:
-    """The lines the test_patch gives ``path`` (what it adds and keeps)."""
-    chunk = task.test_patch.split(f"diff --git a/{path} b/{path}\n", 1)[-1].split(
-        "\ndiff --git ", 1
-    )[0]
-    return "\n".join(ln[1:] for ln in chunk.splitlines() if ln[:1] in ("+", " "))
-
-
-async def _plain(
-    sandbox: Sandbox,
-    task: Task,
-    grader: Grader,
-    *,
-    boot: str,
-    timeout: float,
-    off: frozenset[str],
-) -> dict[str, dict[str, Any]]:
-    ids = plain_ids(task, grader)
-    uncovered = {"outcome": "uncovered", "detail": "the independent runner cannot run it"}
-    out = {t: {"event": "plain", "nodeid": t, **uncovered} for t in task.FAIL_TO_PASS}
-    if not ids:
-        return out
-    key = secrets.token_hex(16)
-    options = ["--no-twin"] if "twin" in off else []
-    options += ["--no-audit"] if "audit" in off else []
-    options += ["--ctypes"] if "ctypes_absent" in off else []
-    options += ["--xfail-passes"] if "xfail_is_failure" in off else []
-    django = django_settings(grader)
-    options += [f"--django={django}"] if django else []
-    argv = ["python", "-I", "-B", boot, "plain", "fd", *options, "--", *ids.values()]
-    run = await sandbox.exec(
-        argv, timeout=timeout, cwd=sandbox.workdir, stdin=(key + "\n").encode()
-    )
-    found, _ = records(run.output.encode(), key.encode())
-    by_id = {r["nodeid"]: r for r in found if r.get("event") == "plain"}
-    for test, nodeid in ids.items():
-        out[test] = by_id.get(nodeid, {"outcome": "missing"})
-    return out
+def framing(grader: Grader) -> dict[str, bool]:
+    """How required test names are spelled for `assertions.locate`."""
+    return {"django": is_django(grader), "pytest": grader.kind == "pytest"}
 
 
 def judge(
-    task: Task, test_run: TestRun, patch: str, off: frozenset[str]
+    task: Task,
+    test_run: TestRun,
+    patch: str,
+    off: frozenset[str],
+    *,
+    plan: assertions.Plan | None = None,
+    gold: assertions.Gold | None = None,
 ) -> tuple[dict[str, str], set[str], dict[str, Any]]:
     """Required outcomes (anything short of a clean, consistent pass is not ``passed``), the
     flags raised, and the verdict's runner fields."""
@@ -334,7 +300,7 @@ def judge(
     if grader is not None and printed_only:
         flags.add("output_parsed")
         notes["graded_from"] = f"printed output ({grader.parser})"
-    if "stream" not in off and not results.finished and not printed_only:
+    if not results.finished and not printed_only:
         problems.append("the runner's record stream ended before its finish record")
     if results.tampered and "integrity" not in off:
         flags.add("runner_tampered")
@@ -356,20 +322,6 @@ def judge(
                 f"exit code {run.exit_code} disagrees with the outcomes "
                 f"(signed exit status {results.exitstatus})"
             )
-    if test_run.plain is not None:
-        uncovered = []
-        for test in task.FAIL_TO_PASS:
-            record = test_run.plain.get(test, {"outcome": "missing"})
-            if record["outcome"] == "uncovered":
-                uncovered.append(test)
-            elif "differential" not in off and record["outcome"] != "passed":
-                flags.add("runner_disagrees")
-                why = f" ({record['detail']})" if record["outcome"] == "refused" else ""
-                problems.append(f"{test}: {record['outcome']} in the independent runner{why}")
-            if "twin" not in off and record.get("vacuous"):
-                flags.add("always_equal")
-                problems.append(f"{test}: a comparison also holds against an impossible value")
-        notes["differential_uncovered"] = uncovered
     if results.shadowed:
         flags.add("runner_shadowed")
         notes["shadowed"] = results.shadowed
@@ -382,6 +334,8 @@ def judge(
     if problems:
         notes["runner_problems"] = problems
         tests = {t: ("untrusted" if o == "passed" else o) for t, o in tests.items()}
+    if "judge_assertions" not in off and plan is not None and gold is not None:
+        tests = _judge_assertions(task, test_run, tests, plan, gold, flags, notes)
     notes.update(
         exit_code=run.exit_code,
         timed_out=run.timed_out,
@@ -389,3 +343,49 @@ def judge(
         collect_errors=results.collect_errors,
     )
     return tests, flags, notes
+
+
+def _judge_assertions(
+    task: Task,
+    test_run: TestRun,
+    tests: dict[str, str],
+    plan: assertions.Plan,
+    gold: assertions.Gold,
+    flags: set[str],
+    notes: dict[str, Any],
+) -> dict[str, str]:
+    """Each required test's assertions, judged here; the in-process outcome must agree."""
+    covered = assertions.covered_tests(plan, gold)
+    declared = set(task.uncoverable)
+    out = dict(tests)
+    why: dict[str, str] = {}
+    counts = {"fail_to_pass": [0, 0], "pass_to_pass": [0, 0]}  # [judged out, all events]
+    for test in task.FAIL_TO_PASS + task.PASS_TO_PASS:
+        group = "fail_to_pass" if test in task.FAIL_TO_PASS else "pass_to_pass"
+        key = plan.keys.get(test)
+        if not covered.get(test):
+            if test in declared:
+                flags.add("judged_in_process")
+                continue
+            flags.add("unverified")
+            why[test] = "no assertion of it is judged out of process"
+            out[test] = "unverified"
+            continue
+        assert key is not None
+        verdict = assertions.judge_test(key, test_run.events, plan, gold, True)
+        counts[group][0] += verdict.judged_out
+        counts[group][1] += verdict.judged_out + verdict.judged_in
+        if verdict.judged_in:
+            flags.add("judged_in_process")
+        if verdict.outcome != "passed":
+            why[test] = verdict.detail
+            if out[test] == "passed":
+                out[test] = "failed" if verdict.outcome in ("failed", "raised") else verdict.outcome
+                if verdict.outcome == "failed":
+                    flags.add("assertion_judged_false")
+    notes["assertions"] = {
+        group: {"judged_out_of_process": n, "events": total} for group, (n, total) in counts.items()
+    }
+    if why:
+        notes["assertion_failures"] = dict(list(why.items())[:10])
+    return out

@@ -1,0 +1,1061 @@
+"""Out-of-process assertion judging, the judge's half: the required tests' files are rewritten
+before the run so that each assertion sends its operands out as plain data (`operands.py` runs
+in the judged process), and the judge applies each comparison here, against expected values the
+judged process never holds.
+
+    plan = plan_files(task, grader, sources, inproc=set())   # before any repository code runs
+    sandbox files ← plan.files                                # the rewritten tests
+    verdict = judge(plan, task, grader, events, gold)         # after the run
+
+What is judged where:
+
+* An operand the source spells as a literal (``15``, ``[1, 2]``, ``{"a": (1,)}``, ``-3``,
+  ``set()``, ``pytest.approx(12)``, and a local name bound once to a literal and used only as an
+  assertion's operand) is stripped from the file; the judge holds it.
+* Every other operand is evaluated by the test as before and crosses the boundary as exact-type
+  plain data (marshal). The comparison (``==``, ``<``, ``in``, ``is None``, truth, isinstance by
+  class name, approx, unittest's ``assertX`` family, the class of what a ``raises`` block
+  raised) is made here. In an equality, a computed operand must also equal what the gold patch's
+  run computed at the same place, where two gold runs agree on it: an expected value the test
+  computes is the gold run's, not the judged run's.
+* The number and order of assertion events of each test must be the gold run's.
+* A site whose operands were not plain data for the gold patch runs in the judged process as
+  written (``judged_in_process``), as does a truth check whose expression compares in-process.
+
+Coverage is fixed before the candidate's code runs, from the pristine test source and the gold
+record: a required test is covered when its function is found and the gold run judged at least
+one of its assertions here. An uncovered required test is ``unverified`` (a failure) unless the
+task declares it uncoverable (``Task.uncoverable``).
+"""
+
+from __future__ import annotations
+
+import ast
+import binascii
+import contextlib
+import marshal
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+_EQ = {"eq", "seq_eq", "count_eq"}  # gold-pinned: a computed operand must equal the gold run's
+_COMPARE = {
+    ast.Eq: "eq",
+    ast.NotEq: "ne",
+    ast.Lt: "lt",
+    ast.LtE: "le",
+    ast.Gt: "gt",
+    ast.GtE: "ge",
+    ast.In: "in",
+    ast.NotIn: "notin",
+}
+#: unittest's assertion methods the judge applies itself: name -> (op, operands).
+UNITTEST = {
+    "assertEqual": ("eq", 2),
+    "assertEquals": ("eq", 2),
+    "assertListEqual": ("eq", 2),
+    "assertTupleEqual": ("eq", 2),
+    "assertDictEqual": ("eq", 2),
+    "assertSetEqual": ("eq", 2),
+    "assertMultiLineEqual": ("eq", 2),
+    "assertSequenceEqual": ("seq_eq", 2),
+    "assertCountEqual": ("count_eq", 2),
+    "assertNotEqual": ("ne", 2),
+    "assertNotEquals": ("ne", 2),
+    "assertTrue": ("truth", 1),
+    "assertFalse": ("not", 1),
+    "assertIsNone": ("is_none", 1),
+    "assertIsNotNone": ("not_none", 1),
+    "assertIn": ("in", 2),
+    "assertNotIn": ("notin", 2),
+    "assertGreater": ("gt", 2),
+    "assertGreaterEqual": ("ge", 2),
+    "assertLess": ("lt", 2),
+    "assertLessEqual": ("le", 2),
+    "assertAlmostEqual": ("almost", 2),
+    "assertNotAlmostEqual": ("not_almost", 2),
+    "assertIs": ("same", 2),
+    "assertIsNot": ("not_same", 2),
+    "assertIsInstance": ("isinstance", 2),
+    "assertNotIsInstance": ("notisinstance", 2),
+}
+RAISES = {"assertRaises", "assertRaisesRegex", "assertRaisesRegexp", "assertRaisesMessage"}
+#: Pure built-ins a literal may be built with, when the module does not rebind their names.
+_PURE_CALLS: dict[str, Any] = {
+    "set": set, "frozenset": frozenset, "list": list, "tuple": tuple, "dict": dict,
+    "str": str, "int": int, "float": float, "bool": bool, "sorted": sorted,
+}  # fmt: skip
+_IN_PROCESS_CALLS = {"all", "any", "isinstance", "issubclass", "callable", "hasattr", "bool"}
+
+
+class PlanError(ValueError):
+    """A test file the judge cannot read (a syntax error): its tests are not covered."""
+
+
+@dataclass(frozen=True, slots=True)
+class Approx:
+    expected: Any
+    rel: float | None = None
+    abs: float | None = None
+
+
+@dataclass(slots=True)
+class Site:
+    id: str  # "path:line:col"
+    op: str
+    held: list[tuple[bool, Any]]  # per operand: (True, the literal) or (False, None)
+    types: list[str] = field(default_factory=list)  # class names an isinstance/raises expects
+    extra: dict[str, Any] = field(default_factory=dict)  # places / delta / rel / abs
+    mode: str = "judge"  # judge | inproc
+    counted: bool = True  # judged out of process (False: the value was computed by comparing)
+
+
+@dataclass(slots=True)
+class Plan:
+    files: dict[str, str]  # path -> rewritten source
+    sites: dict[str, Site]
+    found: dict[str, bool]  # required test -> its function is in the pristine source
+    keys: dict[str, str]  # required test -> the key its events carry
+    errors: dict[str, str] = field(default_factory=dict)  # path -> why it was not planned
+
+
+# --------------------------------------------------------------------------------------------
+# Literals
+# --------------------------------------------------------------------------------------------
+
+
+class _NotLiteral(Exception):
+    pass
+
+
+def _bound_names(tree: ast.Module) -> set[str]:
+    """Names the module binds at any level (imports, assignments, defs): not trusted built-ins."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                names.add((alias.asname or alias.name).split(".")[0])
+    return names
+
+
+def literal(node: ast.AST, bound: frozenset[str] | set[str], approx: set[str]) -> Any:
+    """The value of a literal operand, or ``_NotLiteral``."""
+    if isinstance(node, ast.Constant):
+        if node.value is Ellipsis:
+            raise _NotLiteral
+        return node.value
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        items = [literal(e, bound, approx) for e in node.elts]
+        if isinstance(node, ast.Tuple):
+            return tuple(items)
+        return list(items) if isinstance(node, ast.List) else set(items)
+    if isinstance(node, ast.Dict):
+        if any(k is None for k in node.keys):
+            raise _NotLiteral
+        return {
+            literal(k, bound, approx): literal(v, bound, approx)
+            for k, v in zip(node.keys, node.values, strict=True)
+            if k is not None
+        }
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd, ast.Not)):
+        value = literal(node.operand, bound, approx)
+        if isinstance(node.op, ast.Not):
+            return not value
+        if type(value) not in (int, float, complex):
+            raise _NotLiteral
+        return -value if isinstance(node.op, ast.USub) else +value
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult)):
+        left, right = literal(node.left, bound, approx), literal(node.right, bound, approx)
+        numbers = (int, float, complex)
+        if isinstance(node.op, ast.Mult) and (
+            not (type(left) in numbers and type(right) in numbers)
+        ):
+            raise _NotLiteral  # "x" * 10**9 is a way to make the judge allocate
+        if type(left) in (str, bytes, tuple, list) and type(right) is not type(left):
+            raise _NotLiteral
+        try:
+            if isinstance(node.op, ast.Add):
+                return left + right
+            if isinstance(node.op, ast.Sub):
+                return left - right
+            return left * right
+        except TypeError:
+            raise _NotLiteral from None
+    if isinstance(node, ast.Call) and not any(isinstance(a, ast.Starred) for a in node.args):
+        name = _callee(node.func)
+        if name in approx:
+            return _approx_literal(node, bound, approx)
+        if name in _PURE_CALLS and name not in bound and not node.keywords and len(node.args) <= 1:
+            args = [literal(a, bound, approx) for a in node.args]
+            try:
+                return _PURE_CALLS[name](*args)
+            except (TypeError, ValueError):
+                raise _NotLiteral from None
+    raise _NotLiteral
+
+
+def _approx_literal(node: ast.Call, bound: Any, approx: set[str]) -> Approx:
+    if len(node.args) != 1:
+        raise _NotLiteral
+    options: dict[str, float | None] = {"rel": None, "abs": None}
+    for kw in node.keywords:
+        if kw.arg not in options:
+            raise _NotLiteral
+        value = literal(kw.value, bound, approx)
+        if type(value) not in (int, float):
+            raise _NotLiteral
+        options[kw.arg] = float(value)
+    return Approx(literal(node.args[0], bound, approx), options["rel"], options["abs"])
+
+
+def _callee(func: ast.AST) -> str:
+    if isinstance(func, ast.Name):
+        return func.id
+    if isinstance(func, ast.Attribute):
+        base = _callee(func.value)
+        return f"{base}.{func.attr}" if base else ""
+    return ""
+
+
+def _type_names(node: ast.AST) -> list[str]:
+    """The class names an isinstance/raises expression names (last dotted part)."""
+    if isinstance(node, ast.Tuple):
+        return [n for e in node.elts for n in _type_names(e)]
+    name = _callee(node)
+    if not name:
+        raise _NotLiteral
+    return [name.rsplit(".", 1)[-1]]
+
+
+def _compares_inside(node: ast.AST) -> bool:
+    for sub in ast.walk(node):
+        if isinstance(sub, (ast.Compare, ast.BoolOp)):
+            return True
+        if isinstance(sub, ast.Call) and _callee(sub.func) in _IN_PROCESS_CALLS:
+            return True
+    return False
+
+
+# --------------------------------------------------------------------------------------------
+# The rewrite
+# --------------------------------------------------------------------------------------------
+
+
+def _ref(attr: str) -> ast.expr:
+    return ast.Attribute(value=ast.Name(id="__legorl__", ctx=ast.Load()), attr=attr, ctx=ast.Load())
+
+
+def _call(attr: str, *args: ast.expr) -> ast.expr:
+    return ast.Call(func=_ref(attr), args=list(args), keywords=[])
+
+
+class _Rewriter(ast.NodeTransformer):
+    def __init__(self, path: str, bound: set[str], approx: set[str], inproc: set[str]) -> None:
+        self.path = path
+        self.bound = bound
+        self.approx = approx
+        self.inproc = inproc
+        self.sites: dict[str, Site] = {}
+        self.held_names: dict[str, Any] = {}  # a function's literal locals, while in it
+        self.depth = 0
+
+    # -- sites
+
+    def _site_id(self, node: ast.stmt | ast.expr, part: int = 0) -> str:
+        return f"{self.path}:{node.lineno}:{node.col_offset}" + (f":{part}" if part else "")
+
+    def _operand(self, node: ast.expr) -> tuple[tuple[bool, Any], ast.expr]:
+        if isinstance(node, ast.Name) and node.id in self.held_names:
+            return (True, self.held_names[node.id]), _ref("HELD")
+        try:
+            value = literal(node, self.bound, self.approx)
+        except _NotLiteral:
+            return (False, None), node
+        except (RecursionError, MemoryError, OverflowError):
+            return (False, None), node
+        return (True, value), _ref("HELD")
+
+    def _emit_check(self, sid: str, op: str, operands: list[ast.expr], **extra: Any) -> ast.expr:
+        held, args = [], []
+        for operand in operands:
+            h, arg = self._operand(operand)
+            held.append(h)
+            args.append(arg)
+        counted = not (op in ("truth", "not") and not held[0][0] and _compares_inside(operands[0]))
+        self.sites[sid] = Site(sid, op, held, extra=extra, counted=counted)
+        return _call("check", ast.Constant(sid), ast.Constant(op), *args)
+
+    def _inproc(self, sid: str, statement_expr: ast.expr, assert_: bool) -> ast.expr:
+        self.sites[sid] = Site(sid, "inproc", [], mode="inproc", counted=False)
+        thunk = ast.Lambda(
+            args=ast.arguments(posonlyargs=[], args=[], kwonlyargs=[], kw_defaults=[], defaults=[]),
+            body=statement_expr,
+        )
+        return _call("inproc_assert" if assert_ else "inproc", ast.Constant(sid), thunk)
+
+    def _assert_expr(self, test: ast.expr, node: ast.stmt, part: int) -> ast.expr | None:
+        """One assertion (an ``assert``'s test, or one part of an ``and``) as a site's call."""
+        sid = self._site_id(node, part)
+        if any(isinstance(n, ast.NamedExpr) for n in ast.walk(test)):
+            return None  # a walrus binds names the rest of the test uses: left as written
+        if sid in self.inproc:
+            return self._inproc(sid, test, assert_=True)
+        if isinstance(test, ast.Compare) and len(test.ops) == 1:
+            op_node, right = test.ops[0], test.comparators[0]
+            if isinstance(op_node, (ast.Is, ast.IsNot)):
+                if not (isinstance(right, ast.Constant) and right.value in (None, True, False)):
+                    # identity of two computed objects: the judge compares their ids
+                    self.sites[sid] = Site(
+                        sid,
+                        "same" if isinstance(op_node, ast.Is) else "not_same",
+                        [(False, None), (False, None)],
+                    )
+                    return _call("idents", ast.Constant(sid), test.left, right)
+                if isinstance(right, ast.Constant) and right.value in (None, True, False):
+                    positive = isinstance(op_node, ast.Is)
+                    if right.value is None:
+                        return self._emit_check(
+                            sid, "is_none" if positive else "not_none", [test.left]
+                        )
+                    return self._emit_check(
+                        sid, "is_const" if positive else "not_const", [test.left, right]
+                    )
+                return self._inproc(sid, test, assert_=True)
+            op = _COMPARE[type(op_node)]
+            if (
+                op in ("eq", "ne")
+                and isinstance(right, ast.Call)
+                and _callee(right.func) in self.approx
+            ):
+                return self._approx(sid, test.left, right, negate=op == "ne")
+            if (
+                op in ("eq", "ne")
+                and isinstance(test.left, ast.Call)
+                and _callee(test.left.func) in self.approx
+            ):
+                return self._approx(sid, right, test.left, negate=op == "ne")
+            return self._emit_check(sid, op, [test.left, right])
+        if isinstance(test, ast.Compare):
+            return self._inproc(sid, test, assert_=True)
+        if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+            inner = test.operand
+            if (
+                isinstance(inner, ast.Call)
+                and _callee(inner.func) == "isinstance"
+                and "isinstance" not in self.bound
+            ):
+                return self._isinstance(sid, inner, negate=True) or self._inproc(sid, test, True)
+            return self._emit_check(sid, "not", [inner])
+        if (
+            isinstance(test, ast.Call)
+            and _callee(test.func) == "isinstance"
+            and "isinstance" not in self.bound
+        ):
+            return self._isinstance(sid, test, negate=False) or self._inproc(sid, test, True)
+        return self._emit_check(sid, "truth", [test])
+
+    def _approx(self, sid: str, value: ast.expr, approx: ast.Call, negate: bool) -> ast.expr:
+        try:
+            held = _approx_literal(approx, self.bound, self.approx)
+        except _NotLiteral:
+            held = None
+        op = "not_approx" if negate else "approx"
+        if held is not None:
+            self.sites[sid] = Site(sid, op, [(False, None), (True, held)])
+            return _call("check", ast.Constant(sid), ast.Constant(op), value, _ref("HELD"))
+        options: dict[str, Any] = {}
+        try:
+            for kw in approx.keywords:
+                if kw.arg not in ("rel", "abs"):
+                    raise _NotLiteral
+                options[kw.arg] = float(literal(kw.value, self.bound, self.approx))
+        except (_NotLiteral, TypeError, ValueError):
+            return self._inproc(sid, ast.Compare(value, [ast.Eq()], [approx]), assert_=True)
+        if len(approx.args) != 1:
+            return self._inproc(sid, ast.Compare(value, [ast.Eq()], [approx]), assert_=True)
+        self.sites[sid] = Site(sid, op, [(False, None), (False, None)], extra=options)
+        return _call("check", ast.Constant(sid), ast.Constant(op), value, approx.args[0])
+
+    def _isinstance(self, sid: str, call: ast.Call, negate: bool) -> ast.expr | None:
+        if len(call.args) != 2 or call.keywords:
+            return None
+        try:
+            names = _type_names(call.args[1])
+        except _NotLiteral:
+            return None
+        self.sites[sid] = Site(
+            sid, "notisinstance" if negate else "isinstance", [(False, None)], types=names
+        )
+        return _call("types_of", ast.Constant(sid), call.args[0])
+
+    # -- visitors
+
+    def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> Any:
+        saved = self.held_names
+        self.held_names = _held_locals(node, self.bound, self.approx)
+        self.depth += 1
+        self.generic_visit(node)
+        self.depth -= 1
+        body: list[ast.stmt] = []
+        for stmt in node.body:
+            if (
+                isinstance(stmt, ast.Assign)
+                and len(stmt.targets) == 1
+                and isinstance(stmt.targets[0], ast.Name)
+                and stmt.targets[0].id in self.held_names
+            ):
+                continue  # the literal stays with the judge
+            body.append(stmt)
+        if node.name.startswith("test") and not _is_generator(node):
+            owner: list[ast.expr] = []
+            if node.args.args and node.args.args[0].arg == "self":
+                owner = [ast.Name(id="self", ctx=ast.Load())]
+            doc = []
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                doc = [body.pop(0)]
+            guard = ast.With(
+                items=[ast.withitem(context_expr=_call("test", *owner))], body=body or [ast.Pass()]
+            )
+            body = [*doc, guard]
+        node.body = body or [ast.Pass()]
+        self.held_names = saved
+        return node
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_Assert(self, node: ast.Assert) -> Any:
+        parts = (
+            node.test.values
+            if isinstance(node.test, ast.BoolOp) and isinstance(node.test.op, ast.And)
+            else [node.test]
+        )
+        out: list[ast.stmt] = []
+        for i, part in enumerate(parts):
+            call = self._assert_expr(part, node, i)
+            if call is None:
+                return node
+            out.append(ast.Expr(value=call))
+        return out
+
+    def visit_Expr(self, node: ast.Expr) -> Any:
+        call = node.value
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)):
+            return self.generic_visit(node)
+        name = call.func.attr
+        sid = self._site_id(call)
+        if name not in UNITTEST or any(isinstance(a, ast.Starred) for a in call.args):
+            if name.startswith("assert") and name[6:7].isupper() and name not in RAISES:
+                self.sites[sid] = Site(sid, "inproc", [], mode="inproc", counted=False)
+                node.value = self._inproc(sid, self.generic_visit(call), assert_=False)  # type: ignore[arg-type]
+                return node
+            return self.generic_visit(node)
+        op, count = UNITTEST[name]
+        args = list(call.args)
+        extra: dict[str, Any] = {}
+        keywords = {kw.arg: kw.value for kw in call.keywords}
+        if None in keywords:
+            return self._unit_inproc(node, call, sid)
+        for key in ("places", "delta"):
+            if key in keywords:
+                try:
+                    extra[key] = literal(keywords.pop(key), self.bound, self.approx)
+                except _NotLiteral:
+                    return self._unit_inproc(node, call, sid)
+        keywords.pop("msg", None)
+        if keywords or len(args) < count:
+            return self._unit_inproc(node, call, sid)
+        if op in ("almost", "not_almost") and len(args) > 2:
+            try:
+                extra["places"] = literal(args[2], self.bound, self.approx)
+            except _NotLiteral:
+                return self._unit_inproc(node, call, sid)
+        if sid in self.inproc:
+            return self._unit_inproc(node, call, sid)
+        if op in ("same", "not_same"):
+            self.sites[sid] = Site(sid, op, [(False, None), (False, None)])
+            node.value = _call(
+                "idents", ast.Constant(sid), self.visit(args[0]), self.visit(args[1])
+            )
+            return node
+        if op in ("isinstance", "notisinstance"):
+            try:
+                names = _type_names(args[1])
+            except _NotLiteral:
+                return self._unit_inproc(node, call, sid)
+            self.sites[sid] = Site(sid, op, [(False, None)], types=names)
+            node.value = _call("types_of", ast.Constant(sid), self.visit(args[0]))
+            return node
+        node.value = self._emit_check(sid, op, [self.visit(a) for a in args[:count]], **extra)
+        return node
+
+    def _unit_inproc(self, node: ast.Expr, call: ast.Call, sid: str) -> ast.Expr:
+        node.value = self._inproc(sid, self.generic_visit(call), assert_=False)  # type: ignore[arg-type]
+        return node
+
+    def visit_With(self, node: ast.With) -> Any:
+        self.generic_visit(node)
+        for item in node.items:
+            cm = item.context_expr
+            if not isinstance(cm, ast.Call) or not cm.args:
+                continue
+            name = _callee(cm.func)
+            last = name.rsplit(".", 1)[-1]
+            if not (last in RAISES or name in ("pytest.raises", "raises")):
+                continue
+            sid = self._site_id(cm)
+            try:
+                names = _type_names(cm.args[0])
+            except _NotLiteral:
+                continue
+            self.sites[sid] = Site(sid, "raises", [(False, None)], types=names)
+            item.context_expr = _call("raises", ast.Constant(sid), cm)
+        return node
+
+
+def _is_generator(node: ast.AST) -> bool:
+    return any(isinstance(sub, (ast.Yield, ast.YieldFrom)) for sub in ast.walk(node))
+
+
+def _held_locals(
+    fn: ast.FunctionDef | ast.AsyncFunctionDef, bound: set[str], approx: set[str]
+) -> dict[str, Any]:
+    """Locals bound once, at the top of ``fn``'s body, to a literal, and read only as a plain
+    operand of an assertion: the judge holds them, so the judged process never sees them."""
+    stores: Counter[str] = Counter()
+    for sub in ast.walk(fn):
+        if isinstance(sub, ast.Name) and isinstance(sub.ctx, (ast.Store, ast.Del)):
+            stores[sub.id] += 1
+        elif isinstance(sub, ast.arg):
+            stores[sub.arg] += 1
+        elif isinstance(sub, (ast.Global, ast.Nonlocal)):
+            for name in sub.names:
+                stores[name] += 2
+    candidates: dict[str, Any] = {}
+    for stmt in fn.body:
+        if (
+            isinstance(stmt, ast.Assign)
+            and len(stmt.targets) == 1
+            and isinstance(stmt.targets[0], ast.Name)
+            and stores[stmt.targets[0].id] == 1
+        ):
+            with contextlib.suppress(_NotLiteral, RecursionError):
+                candidates[stmt.targets[0].id] = literal(stmt.value, bound, approx)
+    if not candidates:
+        return {}
+    allowed: set[int] = set()  # ids of Name nodes that are a whole operand of an assertion
+    for sub in ast.walk(fn):
+        if isinstance(sub, ast.Assert):
+            tests = sub.test.values if isinstance(sub.test, ast.BoolOp) else [sub.test]
+            for test in tests:
+                if (
+                    isinstance(test, ast.Compare)
+                    and len(test.ops) == 1
+                    and type(test.ops[0]) in _COMPARE
+                ):
+                    allowed.update(
+                        id(n) for n in (test.left, test.comparators[0]) if isinstance(n, ast.Name)
+                    )
+        elif (
+            isinstance(sub, ast.Call)
+            and isinstance(sub.func, ast.Attribute)
+            and sub.func.attr in UNITTEST
+            and UNITTEST[sub.func.attr][0] not in ("isinstance", "notisinstance")
+        ):
+            allowed.update(
+                id(a) for a in sub.args[: UNITTEST[sub.func.attr][1]] if isinstance(a, ast.Name)
+            )
+    for sub in ast.walk(fn):
+        if (
+            isinstance(sub, ast.Name)
+            and isinstance(sub.ctx, ast.Load)
+            and sub.id in candidates
+            and id(sub) not in allowed
+        ):
+            candidates.pop(sub.id)
+    for sub in ast.walk(fn):  # a nested function or class reading it keeps it in the process
+        if sub is not fn and isinstance(
+            sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+        ):
+            for inner in ast.walk(sub):
+                if isinstance(inner, ast.Name) and inner.id in candidates:
+                    candidates.pop(inner.id)
+    return candidates
+
+
+def rewrite(path: str, source: str, inproc: set[str]) -> tuple[str, dict[str, Site], ast.Module]:
+    """``source`` with its assertions made sites; the sites; the pristine tree."""
+    try:
+        tree = ast.parse(source, filename=path)
+        pristine = ast.parse(source, filename=path)
+    except (SyntaxError, ValueError, RecursionError) as exc:
+        raise PlanError(f"{path}: {exc}") from None
+    bound = _bound_names(tree)
+    approx = {"pytest.approx"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "pytest":
+            approx.update(a.asname or a.name for a in node.names if a.name == "approx")
+    rewriter = _Rewriter(path, bound, approx, inproc)
+    new = rewriter.visit(tree)
+    ast.fix_missing_locations(new)
+    return ast.unparse(new) + "\n", rewriter.sites, pristine
+
+
+# --------------------------------------------------------------------------------------------
+# Which function a required test is, and the key its events carry
+# --------------------------------------------------------------------------------------------
+
+
+_UNIT = re.compile(r"(\w+) \(([\w.]+)\)")
+
+
+def locate(test: str, *, django: bool, pytest: bool) -> tuple[str, str, str] | None:
+    """(file, qualname, event key) of a required test, or None when its name says neither."""
+    if pytest or "::" in test:
+        path, _, rest = test.partition("::")
+        if not rest:
+            return None
+        qual = ".".join(rest.split("[", 1)[0].split("::"))
+        return path, qual, test
+    unit = _UNIT.fullmatch(test)
+    if not unit:
+        return None
+    method, dotted = unit.groups()
+    dotted = dotted.removesuffix("." + method)
+    module, _, cls = dotted.rpartition(".")
+    if not module:
+        return None
+    path = ("tests/" if django else "") + module.replace(".", "/") + ".py"
+    return path, f"{cls}.{method}", f"{dotted}.{method}"
+
+
+def _defines(tree: ast.Module, qual: str) -> bool:
+    """``qual`` (``func`` or ``Class.method``) is defined in the module, a method possibly in a
+    base class the module also defines."""
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    funcs = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    parts = qual.split(".")
+    if len(parts) == 1:
+        return parts[0] in funcs
+    if len(parts) != 2:
+        return False
+    seen: set[str] = set()
+    todo = [parts[0]]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in classes:
+            continue
+        seen.add(name)
+        cls = classes[name]
+        if any(
+            isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == parts[1]
+            for n in cls.body
+        ):
+            return True
+        todo += [b.id for b in cls.bases if isinstance(b, ast.Name)]
+    return False
+
+
+def needed_files(tests: list[str], *, django: bool, pytest: bool) -> list[str]:
+    return sorted({loc[0] for t in tests if (loc := locate(t, django=django, pytest=pytest))})
+
+
+def plan_files(
+    tests: list[str], sources: dict[str, str], *, django: bool, pytest: bool, inproc: set[str]
+) -> Plan:
+    """The rewrite of every file that defines a required test; decided on pristine sources."""
+    plan = Plan(files={}, sites={}, found={}, keys={})
+    trees: dict[str, ast.Module] = {}
+    for path, source in sources.items():
+        try:
+            plan.files[path], sites, trees[path] = rewrite(path, source, inproc)
+        except PlanError as exc:
+            plan.errors[path] = str(exc)
+            continue
+        plan.sites.update(sites)
+    for test in tests:
+        loc = locate(test, django=django, pytest=pytest)
+        if loc is None:
+            plan.found[test] = False
+            continue
+        path, qual, key = loc
+        plan.keys[test] = key
+        plan.found[test] = path in trees and _defines(trees[path], qual)
+    return plan
+
+
+# --------------------------------------------------------------------------------------------
+# Events and the judge
+# --------------------------------------------------------------------------------------------
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes)
+
+
+def _exact(value: Any, depth: int = 0) -> bool:
+    """Only exact built-in types, all the way down (what marshal gave back)."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return True
+    if depth > 60:
+        return False
+    if kind in (list, tuple, set, frozenset):
+        return all(_exact(v, depth + 1) for v in value)
+    if kind is dict:
+        return all(_exact(k, depth + 1) and _exact(v, depth + 1) for k, v in value.items())
+    return False
+
+
+@dataclass(slots=True)
+class Event:
+    site: str
+    values: list[Any]  # per operand: a value, or _MISSING (held, or not plain)
+    plain: list[bool]  # per operand: crossed as plain data (held ones: True)
+    held: list[bool]
+    types: list[list[str]] | None = None  # class names (isinstance, raises); None: nothing raised
+    ok: bool | None = None  # an in-process site's own verdict
+    adaptive: bool = False  # a judge site that compared in process (an operand not plain)
+
+
+_MISSING = object()
+
+
+def decode(record: dict[str, Any]) -> Event | None:
+    """An ``a`` record from the stream, or None when it is malformed."""
+    site = record.get("site")
+    if not isinstance(site, str):
+        return None
+    if "ok" in record:
+        return Event(site, [], [], [], ok=record["ok"] is True, adaptive=record.get("np") == 1)
+    raw = record.get("v")
+    if not isinstance(raw, list):
+        return None
+    event = Event(site, [], [], [])
+    for item in raw[:4]:
+        if not isinstance(item, dict):
+            return None
+        if "t" in item:
+            names = item["t"]
+            if names is not None and not (
+                isinstance(names, list) and all(isinstance(n, list) and len(n) == 2 for n in names)
+            ):
+                return None
+            event.types = None if names is None else [[str(a), str(b)] for a, b in names]
+            event.values.append(_MISSING)
+            event.plain.append(names is not None)
+            event.held.append(False)
+            continue
+        if item.get("h") == 1:
+            event.values.append(_MISSING)
+            event.plain.append(True)
+            event.held.append(True)
+            continue
+        data = item.get("m")
+        value: Any = _MISSING
+        if isinstance(data, str):
+            try:
+                value = marshal.loads(binascii.a2b_base64(data))
+            except (ValueError, EOFError, TypeError, binascii.Error):
+                value = _MISSING
+            if value is not _MISSING and not _exact(value):
+                value = _MISSING
+        event.values.append(value)
+        event.plain.append(value is not _MISSING)
+        event.held.append(False)
+    return event
+
+
+def _approx_ok(actual: Any, approx: Approx) -> bool:
+    expected = approx.expected
+    if type(expected) in (list, tuple):
+        return (
+            type(actual) in (list, tuple)
+            and len(actual) == len(expected)
+            and all(
+                _approx_ok(a, Approx(e, approx.rel, approx.abs))
+                for a, e in zip(actual, expected, strict=True)
+            )
+        )
+    if type(expected) is dict:
+        return (
+            type(actual) is dict
+            and actual.keys() == expected.keys()
+            and all(
+                _approx_ok(actual[k], Approx(expected[k], approx.rel, approx.abs)) for k in expected
+            )
+        )
+    numbers = (int, float, complex)
+    if type(expected) not in numbers or type(actual) not in numbers or type(actual) is bool:
+        return bool(actual == expected)
+    if actual == expected:
+        return True
+    if isinstance(expected, float) and math.isinf(expected):
+        return False
+    rel = 1e-6 if approx.rel is None else approx.rel
+    tol_abs = 1e-12 if approx.abs is None else approx.abs
+    tolerance = max(rel * abs(expected), tol_abs)
+    if approx.rel is None and approx.abs is not None:
+        tolerance = tol_abs
+    return abs(actual - expected) <= tolerance
+
+
+def _count_eq(a: Any, b: Any) -> bool:
+    try:
+        left, right = list(a), list(b)
+    except TypeError:
+        return False
+    if len(left) != len(right):
+        return False
+    rest = list(right)
+    for item in left:
+        for i, other in enumerate(rest):
+            if type(item) is type(other) and item == other:
+                del rest[i]
+                break
+        else:
+            return False
+    return not rest
+
+
+def holds(site: Site, values: list[Any], types: list[list[str]] | None) -> bool:
+    """Whether the assertion holds on plain values (never code of the judged process)."""
+    op = site.op
+    try:
+        if op in ("isinstance", "notisinstance", "raises"):
+            if types is None:
+                return False
+            names = {qual.rsplit(".", 1)[-1] for _, qual in types}
+            found = any(t in names for t in site.types)
+            return found if op != "notisinstance" else not found
+        a: Any = values[0]
+        b: Any = values[1] if len(values) > 1 else None
+        if op == "eq":
+            return bool(a == b)
+        if op == "seq_eq":
+            return type(a) in (list, tuple) and type(b) in (list, tuple) and list(a) == list(b)
+        if op == "count_eq":
+            return _count_eq(a, b)
+        if op == "ne":
+            return bool(a != b)
+        if op == "lt":
+            return bool(a < b)
+        if op == "le":
+            return bool(a <= b)
+        if op == "gt":
+            return bool(a > b)
+        if op == "ge":
+            return bool(a >= b)
+        if op == "in":
+            return bool(a in b)
+        if op == "notin":
+            return bool(a not in b)
+        if op == "truth":
+            return bool(a)
+        if op == "not":
+            return not a
+        if op == "is_none":
+            return a is None
+        if op == "not_none":
+            return a is not None
+        if op == "same":
+            return type(a) is int and type(b) is int and a == b
+        if op == "not_same":
+            return type(a) is int and type(b) is int and a != b
+        if op == "is_const":
+            return a is b
+        if op == "not_const":
+            return a is not b
+        if op in ("approx", "not_approx"):
+            target = (
+                b
+                if isinstance(b, Approx)
+                else Approx(b, site.extra.get("rel"), site.extra.get("abs"))
+            )
+            return _approx_ok(a, target) != (op == "not_approx")
+        if op in ("almost", "not_almost"):
+            if a == b:
+                close = True
+            elif "delta" in site.extra:
+                close = abs(a - b) <= site.extra["delta"]
+            else:
+                close = round(abs(a - b), site.extra.get("places", 7)) == 0
+            return close != (op == "not_almost")
+    except (TypeError, ValueError, ArithmeticError, RecursionError, AttributeError):
+        return False
+    return False
+
+
+@dataclass(slots=True)
+class TestEvents:
+    """What one run recorded for one test key."""
+
+    events: list[Event] = field(default_factory=list)
+    began: bool = False
+    ended: bool = False
+    exc: str | None = None
+
+
+def by_test(records: list[dict[str, Any]]) -> dict[str, TestEvents]:
+    """The stream's assertion events grouped by the test they happened in (innermost open)."""
+    out: dict[str, TestEvents] = {}
+    stack: list[str] = []
+    for record in records:
+        kind = record.get("event")
+        if kind == "tb":
+            key = str(record.get("key", ""))
+            stack.append(key)
+            out.setdefault(key, TestEvents()).began = True
+        elif kind == "te" and stack:
+            key = stack.pop()
+            entry = out.setdefault(key, TestEvents())
+            entry.ended = True
+            entry.exc = entry.exc or (str(record["exc"]) if record.get("exc") else None)
+        elif kind == "a" and stack:
+            event = decode(record)
+            if event is not None:
+                out.setdefault(stack[-1], TestEvents()).events.append(event)
+    return out
+
+
+def nonplain_sites(runs: list[dict[str, TestEvents]]) -> set[str]:
+    """Sites where an operand did not cross as plain data (for the gold patch)."""
+    found = set()
+    for run in runs:
+        for entry in run.values():
+            for event in entry.events:
+                if event.ok is None and not all(event.plain):
+                    found.add(event.site)
+    return found
+
+
+@dataclass(slots=True)
+class Gold:
+    """What the gold patch's two runs recorded: the expected event sequence and values."""
+
+    runs: list[dict[str, TestEvents]]
+
+    def sequence(self, key: str) -> list[str] | None:
+        """The sites in order, when both runs agree (else None: unstable)."""
+        seqs = [[e.site for e in run.get(key, TestEvents()).events] for run in self.runs]
+        return seqs[0] if all(s == seqs[0] for s in seqs) else None
+
+    def in_process(self, key: str, index: int) -> bool:
+        """Whether a gold run judged its ``index``-th event of ``key`` in process."""
+        for run in self.runs:
+            events = run.get(key, TestEvents()).events
+            if index < len(events) and events[index].ok is not None:
+                return True
+        return False
+
+    def value(self, key: str, index: int, operand: int) -> Any:
+        """The gold runs' value of one operand, when they agree and it is plain; else _MISSING."""
+        found = []
+        for run in self.runs:
+            events = run.get(key, TestEvents()).events
+            if index >= len(events) or operand >= len(events[index].values):
+                return _MISSING
+            found.append(events[index].values[operand])
+        first = found[0]
+        if first is _MISSING or any(
+            v is _MISSING or type(v) is not type(first) or v != first for v in found
+        ):
+            return _MISSING
+        return first
+
+
+@dataclass(slots=True)
+class Judgement:
+    outcome: str  # passed | failed | unverified | mismatch | missing | raised
+    events: int = 0
+    judged_out: int = 0  # events judged here, on plain data
+    judged_in: int = 0
+    detail: str = ""
+
+
+def judge_test(
+    key: str, run: dict[str, TestEvents], plan: Plan, gold: Gold, covered: bool
+) -> Judgement:
+    entry = run.get(key)
+    if entry is None or not entry.began:
+        return Judgement("missing", detail="the test's body never ran")
+    if not entry.ended or entry.exc:
+        return Judgement("raised", detail=f"the test's body raised {entry.exc or '(no end)'}")
+    verdict = Judgement("passed", events=len(entry.events))
+    expected = gold.sequence(key)
+    got = [e.site for e in entry.events]
+    if expected is not None and got != expected:
+        return Judgement(
+            "mismatch",
+            events=len(got),
+            detail=f"{len(got)} assertion event(s) where the gold run had {len(expected)}"
+            if len(got) != len(expected)
+            else "the assertions ran in another order than in the gold run",
+        )
+    if expected is None and not got and covered:
+        return Judgement("mismatch", detail="no assertion ran")
+    for index, event in enumerate(entry.events):
+        site = plan.sites.get(event.site)
+        if site is None:
+            return Judgement(
+                "failed", detail=f"an assertion event from an unknown site {event.site[:80]}"
+            )
+        if event.ok is not None or site.mode == "inproc":
+            if event.adaptive and site.mode == "judge" and not gold.in_process(key, index):
+                return Judgement(
+                    "failed", detail=f"{site.id}: not plain data where the gold run's was"
+                )
+            verdict.judged_in += 1
+            if event.ok is not True:
+                return Judgement("failed", detail=f"{site.id}: failed (judged in process)")
+            continue
+        if len(event.values) != len(site.held) or event.held != [h for h, _ in site.held]:
+            return Judgement(
+                "failed", detail=f"{site.id}: the event's operands do not fit the site"
+            )
+        values: list[Any] = []
+        for i, ((is_held, held_value), value, was_plain) in enumerate(
+            zip(site.held, event.values, event.plain, strict=True)
+        ):
+            if is_held:
+                values.append(held_value)
+                continue
+            if site.op not in ("isinstance", "notisinstance", "raises") and not was_plain:
+                return Judgement("failed", detail=f"{site.id}: an operand is not plain data")
+            if site.op in _EQ and expected is not None:
+                pinned = gold.value(key, index, i)
+                if pinned is not _MISSING and not (type(value) is type(pinned) and value == pinned):
+                    return Judgement(
+                        "failed", detail=f"{site.id}: differs from the gold run's value"
+                    )
+            values.append(value)
+        if not holds(site, values, event.types):
+            return Judgement("failed", detail=f"{site.id}: {site.op} does not hold")
+        if site.counted:
+            verdict.judged_out += 1
+        else:
+            verdict.judged_in += 1
+    return verdict
+
+
+def covered_tests(plan: Plan, gold: Gold) -> dict[str, bool]:
+    """Required test -> covered: found in the pristine source, and at least one of its gold
+    run's assertions judged here."""
+    out = {}
+    for test, found in plan.found.items():
+        key = plan.keys.get(test)
+        ok = False
+        if found and key is not None:
+            events = gold.runs[-1].get(key, TestEvents()).events if gold.runs else []
+            ok = any(
+                e.ok is None
+                and plan.sites.get(e.site) is not None
+                and plan.sites[e.site].counted
+                and plan.sites[e.site].mode == "judge"
+                for e in events
+            )
+        out[test] = ok
+    return out

@@ -1,0 +1,154 @@
+"""The gold record: what the task's gold patch's runs recorded, the expectation every candidate
+of that task is judged against (`assertions.py`). Recorded once per task and grader version,
+in two judged runs, each in a fresh grading sandbox of its own, and cached on disk.
+
+    record = await store.get(task, record_run)   # record_run(inproc) -> GoldRun
+
+Run 1 strips every literal; a site whose operands did not cross as plain data there runs in
+process in run 2 (and in every candidate's run). Values the two runs agree on are pinned; a
+test whose event sequence differs between them is unstable (its sequence is not enforced).
+
+The gold record is also the environment's control grading: when the gold patch does not pass
+its own required tests here, the task cannot be graded in this environment and a candidate's
+reward is null (``GoldRecord.ok`` False, with the reason).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from legorl.records import Task
+from legorl.verify import assertions
+
+HERE = Path(__file__).resolve().parent
+_GRADER_FILES = ("assertions.py", "operands.py", "bootstrap.py", "runner.py", "gold.py", "tree.py")
+
+
+@dataclass(slots=True)
+class GoldRun:
+    """One judged run of the gold patch."""
+
+    ok: bool  # the run happened and every required test passed in process
+    reason: str = ""
+    sources: dict[str, str] = field(default_factory=dict)  # pristine test files it planned from
+    records: list[dict[str, Any]] = field(default_factory=list)  # the stream's assertion records
+
+
+@dataclass(slots=True)
+class GoldRecord:
+    ok: bool
+    reason: str
+    sources: dict[str, str]
+    inproc: list[str]  # sites judged in process (not plain data for the gold patch)
+    runs: list[list[dict[str, Any]]]
+
+    def gold(self) -> assertions.Gold:
+        return assertions.Gold(runs=[assertions.by_test(r) for r in self.runs])
+
+
+def grader_version() -> str:
+    digest = hashlib.sha256()
+    for name in _GRADER_FILES:
+        digest.update((HERE / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def task_key(task: Task, backend: str) -> str:
+    fields = {
+        "id": task.instance_id,
+        "patch": task.patch,
+        "test_patch": task.test_patch,
+        "tests": [task.FAIL_TO_PASS, task.PASS_TO_PASS],
+        "cmd": task.test_cmd,
+        "parser": task.log_parser,
+        "image": task.image,
+        "env": asdict(task.env) if task.env else None,
+        "base": task.base_commit,
+        "grader": grader_version(),
+        "backend": backend,
+    }
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _assertion_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in records if r.get("event") in ("a", "tb", "te")]
+
+
+class GoldStore:
+    """Gold records by task, in memory and under ``root`` (one JSON file each)."""
+
+    def __init__(self, root: Path | None = None, backend: str = "") -> None:
+        if root is None:
+            from legorl.sandbox.common import cache_root
+
+            root = cache_root() / "gold"
+        self.root = root
+        self.backend = backend
+        self._memory: dict[str, GoldRecord] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def _path(self, key: str) -> Path:
+        return self.root / f"{key}.json"
+
+    def _load(self, key: str) -> GoldRecord | None:
+        try:
+            data = json.loads(self._path(key).read_text())
+            return GoldRecord(**data)
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def _save(self, key: str, record: GoldRecord) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self._path(key).with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(asdict(record)))
+        os.replace(tmp, self._path(key))
+
+    async def get(
+        self,
+        task: Task,
+        record_run: Callable[[set[str], dict[str, str] | None], Awaitable[GoldRun]],
+    ) -> GoldRecord:
+        """The task's gold record, recorded with ``record_run(inproc, sources)`` when missing."""
+        key = task_key(task, self.backend)
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            found = self._memory.get(key) or self._load(key)
+            if found is None:
+                found = await self._record(task, record_run)
+                if found.ok or "could not" not in found.reason:
+                    self._save(key, found)
+            self._memory[key] = found
+            return found
+
+    async def _record(
+        self,
+        task: Task,
+        record_run: Callable[[set[str], dict[str, str] | None], Awaitable[GoldRun]],
+    ) -> GoldRecord:
+        if not task.patch.strip():
+            return GoldRecord(False, "the task has no gold patch", {}, [], [])
+        first = await record_run(set(), None)
+        if not first.ok:
+            return GoldRecord(
+                False, f"the gold patch does not pass here: {first.reason}", first.sources, [], []
+            )
+        runs = [_assertion_records(first.records)]
+        inproc = assertions.nonplain_sites([assertions.by_test(runs[0])])
+        second = await record_run(inproc, first.sources)
+        if not second.ok:
+            return GoldRecord(
+                False,
+                f"the gold patch does not pass here: {second.reason}",
+                first.sources,
+                sorted(inproc),
+                [],
+            )
+        runs.append(_assertion_records(second.records))
+        return GoldRecord(True, "", first.sources, sorted(inproc), runs)
