@@ -258,8 +258,9 @@ def test_unittest_gold_passes_empty_fails_missing_name_fails() -> None:
     assert "output_parsed" not in gold.hack_flags
     assert printed.reward == 1.0, printed.verdict  # the other spelling, the same records
     assert empty.reward == 0.0 and _v(empty)["tests"][UNIT_F2P] == "failed"
-    assert absent.reward == 0.0
-    assert _v(absent)["tests"]["test_nowhere (tests.test_unit.AreaTest)"] == "missing"
+    # The gold patch cannot pass a test that does not exist: the control grading fails, so the
+    # task is ungradable here (null), never a 0 the patch earned.
+    assert absent.reward is None and "test_nowhere" in absent.verdict["reason"], absent.verdict
 
 
 def test_printed_output_runner_is_flagged_and_graded() -> None:
@@ -298,22 +299,22 @@ ATTACKS = {
     "forged_ok_then_exit": (
         unit_task,
         _forge(PRINTED_F2P, PRINTED_P2P),
-        {"unittest_stream", "differential"},
+        {"unittest_stream", "judge_assertions"},
     ),
     "patched_text_result": (
         unit_task,
         (PATCH_TEXT_RESULT, BUGGY),
-        {"unittest_stream", "differential"},
+        {"unittest_stream", "judge_assertions"},
     ),
     "replaced_testcase_run": (
         unit_task,
         (REPLACE_OUR_RUN, BUGGY),
-        {"unittest_stream", "differential"},
+        {"unittest_stream", "judge_assertions"},
     ),
     "printed_only_forged_ok": (
         sym_task,
         _forge("test_area_non_square", "test_area_square"),
-        {"differential"},
+        {"judge_assertions"},
     ),
 }
 
@@ -407,7 +408,10 @@ def test_verdicts_agree_with_swebench_get_eval_report(tmp_path: Path) -> None:
 
         async def one(t: Task, patch: str) -> Trajectory:
             async with gate:
-                return await _grade(t, patch)
+                # The official harness reads the tests' own printed output: a run of them as
+                # written (the judged run's assertions print nothing of their truth).
+                await _grade(t, patch, frozenset({"judge_assertions"}))
+                return await _grade(dataclasses.replace(t), patch)
 
         return list(await asyncio.gather(*(one(t, p) for _, _, t, p in cases)))
 
@@ -422,6 +426,12 @@ def test_verdicts_agree_with_swebench_get_eval_report(tmp_path: Path) -> None:
     agree, rows = 0, []
     for (parser, label, task, patch), graded in zip(cases, graded_all, strict=True):
         ours = graded.reward == 1.0
+        if graded.reward is None:
+            # The gold patch cannot pass a renamed test: the control failed, no verdict.
+            assert label == "missing" and "control grading" in graded.verdict["reason"]
+            agree += 1
+            rows.append((parser, label, ours, False))
+            continue
         run = spy.runs[id(task)]
         theirs = _official(task, parser, patch, run.log, run.run.exit_code, tmp_path)
         agree += ours == theirs

@@ -32,7 +32,15 @@ from legorl.protocols import Limits, Sandbox, SandboxBackend, SandboxError
 from legorl.records import ENVIRONMENT_FAILURES, Task, Trajectory, Turn
 from legorl.verify import assertions
 from legorl.verify.gold import GoldRecord, GoldRun, GoldStore
-from legorl.verify.runner import TestRun, forged_printed, framing, judge, run_tests, sources_of
+from legorl.verify.runner import (
+    TestRun,
+    forged_printed,
+    framing,
+    judge,
+    planned_files,
+    run_tests,
+    sources_of,
+)
 from legorl.verify.specs import SpecError, resolve
 from legorl.verify.tree import GRADE_DIR, Judged, apply_model_patch, apply_test_patch
 
@@ -114,8 +122,7 @@ async def _judged_run(
             return out
         grader = resolve(task)
         required = task.FAIL_TO_PASS + task.PASS_TO_PASS
-        names = assertions.needed_files(required, **framing(grader))
-        out.sources = await sources_of(sandbox, names)
+        out.sources = await sources_of(sandbox, planned_files(task, grader))
         out.plan = plan_for(out.sources)
         out.test_run = await run_tests(
             sandbox,

@@ -4,6 +4,7 @@ through stdin into memory, never as files the judged code could read or change:
     python -I -B -c "$(LOADER)" pytest -- PYTEST_ARGS        < key line + JSON bundle
     python -I -B -c "$(LOADER)" unittest -- SCRIPT ARGS      < key line + JSON bundle
     python -I -B -c "$(LOADER)" unittest -- -m MODULE ARGS   < key line + JSON bundle
+    python -I -B -c "$(LOADER)" script -- bin/test ARGS      < key line + JSON bundle
 
 ``LOADER`` (`runner.LOADER`) reads the one-time key and the bundle (``{"modules": {name:
 source}, "options": {...}}``) and runs this module's ``main`` with them. Options:
@@ -88,6 +89,22 @@ def _unittest(bundle, args, emit, guard, repo, options, watch):
     return code
 
 
+def _script(args, repo):
+    """A runner that only prints (sympy's ``bin/test``): run as ``__main__``, nothing of ours
+    but the operand sender; its printed output is read by the official parser."""
+    import runpy
+
+    script = os.path.join(repo, args[0])
+    sys.argv = [script, *args[1:]]
+    sys.path.append(repo)
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    return 0
+
+
 def main(key, bundle):
     report = _load(bundle, "pytest_report.py")
     mode = sys.argv[1]
@@ -116,6 +133,8 @@ def main(key, bundle):
     watch = frozenset(options["watch"]) if options.get("watch") is not None else None
     if mode == "unittest":
         sys.exit(_unittest(bundle, args, emit, report.Guard, repo, options, watch))
+    if mode == "script":
+        sys.exit(_script(args, repo))
     os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
     from importlib.metadata import entry_points
 

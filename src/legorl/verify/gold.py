@@ -122,7 +122,7 @@ class GoldStore:
             found = self._memory.get(key) or self._load(key)
             if found is None:
                 found = await self._record(task, record_run)
-                if found.ok or "could not" not in found.reason:
+                if found.ok:  # a failure may be transient: it is kept for this process only
                     self._save(key, found)
             self._memory[key] = found
             return found

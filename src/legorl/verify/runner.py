@@ -34,7 +34,7 @@ from legorl.records import Task
 from legorl.verify import assertions
 from legorl.verify.parsers import TestResults, parse_stream, records
 from legorl.verify.scans import constant_comparisons, runner_tamper_suspects
-from legorl.verify.specs import Grader, resolve, swebench_parser
+from legorl.verify.specs import Grader, resolve, swebench_parser, test_files
 
 HERE = Path(__file__).resolve().parent
 DEFENCES = frozenset(
@@ -74,7 +74,11 @@ def pytest_args(task: Task) -> list[str] | None:
 
 def _test_command(task: Task, grader: Grader, off: frozenset[str]) -> str:
     if grader.kind == "output":
-        return grader.command
+        argv = shlex.split(grader.command)
+        if "judge_assertions" in off or not argv or argv[0] in ("python", "python3"):
+            return grader.command
+        script = argv[0].removeprefix("./")
+        return shlex.join(["python", "-I", "-B", "-c", LOADER, "script", "--", script, *argv[1:]])
     if grader.kind == "unittest":
         argv = shlex.split(grader.command)
         if argv and argv[0] in ("python", "python3"):
@@ -171,24 +175,25 @@ async def run_tests(
         env.update(PYTHONPATH="/tmp/legorl-legacy", LEGORL_REPORT="fd")
         env["LEGORL_INTEGRITY"] = "0" if "integrity" in off else "1"
         stdin = (key + "\n").encode()
+    command = _test_command(task, grader, off)
+    through_bootstrap = shlex.quote(LOADER) in command
     run = await _judged_exec(
         sandbox,
-        ["sh", "-c", _test_command(task, grader, off)],
+        ["sh", "-c", command],
         timeout=timeout,
         env=env,
-        stdin=stdin if grader.kind != "output" else None,
+        stdin=stdin if through_bootstrap or "isolated_runner" in off else None,
     )
     printed = run.output
-    if "isolated_runner" not in off and grader.kind != "output":
+    if through_bootstrap:
         printed = await _tail(sandbox, log)
     parsed = _parse_printed(grader, printed, task)
-    found: list[dict[str, Any]] = []
+    stream = run.output.encode()
+    found, _ = records(stream, key.encode())
     if grader.kind == "output":
         results = _from_printed(parsed, task)
     else:
-        stream = run.output.encode()
         results = parse_stream(stream, key.encode())
-        found, _ = records(stream, key.encode())
     return TestRun(
         run=run,
         results=results,
@@ -274,6 +279,14 @@ def is_django(grader: Grader) -> bool:
 def framing(grader: Grader) -> dict[str, bool]:
     """How required test names are spelled for `assertions.locate`."""
     return {"django": is_django(grader), "pytest": grader.kind == "pytest"}
+
+
+def planned_files(task: Task, grader: Grader) -> list[str]:
+    """The test files the judge rewrites: those defining a required test by its name, and
+    the test_patch's Python files (where a bare test name is looked up)."""
+    required = task.FAIL_TO_PASS + task.PASS_TO_PASS
+    named = assertions.needed_files(required, **framing(grader))
+    return sorted({*named, *(f for f in test_files(task) if f.endswith(".py"))})
 
 
 def judge(
