@@ -121,7 +121,6 @@ async def _judged_run(
             out.error = f"the task's test_patch does not apply: {error}"
             return out
         grader = resolve(task)
-        required = task.FAIL_TO_PASS + task.PASS_TO_PASS
         out.sources = await sources_of(sandbox, planned_files(task, grader))
         out.plan = plan_for(out.sources)
         out.test_run = await run_tests(

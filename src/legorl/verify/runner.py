@@ -126,13 +126,22 @@ async def sources_of(sandbox: Sandbox, paths: list[str]) -> dict[str, str]:
 
 
 async def _seal(sandbox: Sandbox, grade_dir: str, plan: assertions.Plan | None) -> None:
-    """The rewritten test files in place, and grading's own folder root's alone."""
-    if plan is not None:
-        for path, text in plan.files.items():
-            await sandbox.write_file(path, text.encode())
-    result = await sandbox.exec(
-        ["sh", "-c", f"chmod -R go-rwx {shlex.quote(grade_dir)}"], timeout=60
+    """The rewritten test files in place, and grading's own folder root's alone, in one
+    command (a tar of the files on stdin)."""
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for path, text in (plan.files if plan is not None else {}).items():
+            data = text.encode()
+            info = tarfile.TarInfo(path)
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+    script = (
+        f"tar -x -C {shlex.quote(sandbox.workdir)} -f - && chmod -R go-rwx {shlex.quote(grade_dir)}"
     )
+    result = await sandbox.exec(["sh", "-c", script], timeout=60, stdin=buf.getvalue())
     if result.exit_code != 0:
         raise SandboxError(f"grading: sealing {grade_dir} failed: {result.output[-200:]}")
 
@@ -372,13 +381,14 @@ def _judge_assertions(
     declared = set(task.uncoverable)
     out = dict(tests)
     why: dict[str, str] = {}
+    in_process: list[str] = []  # tests with an assertion (or all of them) judged in process
     counts = {"fail_to_pass": [0, 0], "pass_to_pass": [0, 0]}  # [judged out, all events]
     for test in task.FAIL_TO_PASS + task.PASS_TO_PASS:
         group = "fail_to_pass" if test in task.FAIL_TO_PASS else "pass_to_pass"
         key = plan.keys.get(test)
         if not covered.get(test):
             if test in declared:
-                flags.add("judged_in_process")
+                in_process.append(test)
                 continue
             flags.add("unverified")
             why[test] = "no assertion of it is judged out of process"
@@ -389,16 +399,16 @@ def _judge_assertions(
         counts[group][0] += verdict.judged_out
         counts[group][1] += verdict.judged_out + verdict.judged_in
         if verdict.judged_in:
-            flags.add("judged_in_process")
+            in_process.append(test)
         if verdict.outcome != "passed":
             why[test] = verdict.detail
             if out[test] == "passed":
                 out[test] = "failed" if verdict.outcome in ("failed", "raised") else verdict.outcome
-                if verdict.outcome == "failed":
-                    flags.add("assertion_judged_false")
     notes["assertions"] = {
         group: {"judged_out_of_process": n, "events": total} for group, (n, total) in counts.items()
     }
     if why:
         notes["assertion_failures"] = dict(list(why.items())[:10])
+    if in_process:
+        notes["judged_in_process"] = in_process[:20]
     return out
