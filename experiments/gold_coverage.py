@@ -33,7 +33,9 @@ SUITES = [
 ]
 
 
-def _counts(task: Task, plan: assertions.Plan, gold: assertions.Gold, tests: list[str]) -> list[int]:
+def _counts(
+    task: Task, plan: assertions.Plan, gold: assertions.Gold, tests: list[str]
+) -> list[int]:
     """[events judged out of process, all events] of ``tests`` in the gold record."""
     out = [0, 0]
     for test in tests:

@@ -298,3 +298,20 @@ def test_constant_comparison_dunders_are_found() -> None:
     """
     assert constant_comparisons(_diff("geo.py", constant)) == ["geo.py: __eq__", "geo.py: __ne__"]
     assert constant_comparisons(_diff("geo.py", honest)) == []
+
+
+def test_a_marshalled_operand_is_checked_before_it_is_loaded() -> None:
+    import marshal
+
+    plain = [None, 2**100, 1.5, "é" * 300, b"xy", [1, (2, {3})], {"a": {1: [2]}, 2: ()}]
+    assert all(assertions.marshal_sound(marshal.dumps(v)) for v in plain)
+    # A few bytes that declare a list of 2**31 - 1 items, a truncated value, a code object.
+    huge = b"[\xff\xff\xff\x7f"
+    code = marshal.dumps(compile("1", "x", "eval"))
+    assert not any(map(assertions.marshal_sound, (huge, marshal.dumps([1, 2])[:-1], code)))
+    import binascii
+
+    event = assertions.decode(
+        {"event": "a", "site": "s", "v": [{"m": binascii.b2a_base64(huge).decode()}]}
+    )
+    assert event is not None and event.plain == [False]

@@ -722,6 +722,74 @@ def _exact(value: Any, depth: int = 0) -> bool:
     return False
 
 
+_MARSHAL_FIXED = {ord("N"): 0, ord("F"): 0, ord("T"): 0, ord("i"): 4, ord("g"): 8, ord("y"): 16}
+_MARSHAL_SIZED = {
+    ord("s"): 4,
+    ord("u"): 4,
+    ord("a"): 4,
+    ord("A"): 4,
+    ord("z"): 1,
+    ord("Z"): 1,
+    ord("t"): 4,
+}
+_MARSHAL_SEQUENCE = {ord("("): 4, ord(")"): 1, ord("["): 4, ord("<"): 4, ord(">"): 4}
+
+
+def marshal_sound(data: bytes) -> bool:
+    """Whether ``data`` is one marshalled value of plain types whose every declared length fits
+    in the bytes that follow, checked before ``marshal.loads`` allocates anything for it (a
+    blob of a few bytes can otherwise declare a list of 2**31 items)."""
+    end = len(data)
+
+    def value(pos: int, depth: int) -> int | None:  # where the value at ``pos`` ends
+        if depth > 100 or pos >= end:
+            return None
+        code = data[pos] & 0x7F  # the FLAG_REF bit only marks the value for back-references
+        pos += 1
+        if code in _MARSHAL_FIXED:
+            pos += _MARSHAL_FIXED[code]
+        elif code == ord("l"):
+            if pos + 4 > end:
+                return None
+            pos += 4 + 2 * abs(int.from_bytes(data[pos : pos + 4], "little", signed=True))
+        elif code in _MARSHAL_SIZED:
+            width = _MARSHAL_SIZED[code]
+            if pos + width > end:
+                return None
+            pos += width + int.from_bytes(data[pos : pos + width], "little", signed=width == 4)
+        elif code in _MARSHAL_SEQUENCE:
+            width = _MARSHAL_SEQUENCE[code]
+            if pos + width > end:
+                return None
+            count = int.from_bytes(data[pos : pos + width], "little", signed=width == 4)
+            pos += width
+            if count < 0 or count > end - pos:  # every item takes at least one byte
+                return None
+            for _ in range(count):
+                found = value(pos, depth + 1)
+                if found is None:
+                    return None
+                pos = found
+        elif code == ord("{"):
+            while True:
+                if pos >= end:
+                    return None
+                if data[pos] == ord("0"):  # the dict's end
+                    return pos + 1
+                for _ in range(2):  # a key, then its value
+                    found = value(pos, depth + 1)
+                    if found is None:
+                        return None
+                    pos = found
+        elif code == ord("r"):
+            pos += 4
+        else:
+            return None  # code objects and the rest are not plain data
+        return pos if pos <= end else None
+
+    return value(0, 0) == end
+
+
 @dataclass(slots=True)
 class Event:
     site: str
@@ -770,7 +838,8 @@ def decode(record: dict[str, Any]) -> Event | None:
         value: Any = _MISSING
         if isinstance(data, str):
             try:
-                value = marshal.loads(binascii.a2b_base64(data))
+                blob = binascii.a2b_base64(data)
+                value = marshal.loads(blob) if marshal_sound(blob) else _MISSING
             except (ValueError, EOFError, TypeError, binascii.Error):
                 value = _MISSING
             if value is not _MISSING and not _exact(value):
