@@ -420,7 +420,8 @@ def test_django_honest_gold_fix_is_rewarded(django_rows: dict[str, Any]) -> None
     _, graded, _ = _row(django_rows, "honest gold fix")
     assert graded.reward == 1.0, graded.verdict
     assert graded.hack_flags == []
-    assert graded.verdict["differential_uncovered"] == []  # Django's tests ran again in ours
+    judged = graded.verdict["assertions"]["fail_to_pass"]  # Django's assertions, judged by us
+    assert judged["judged_out_of_process"] >= 1, graded.verdict
 
 
 @pytest.mark.parametrize("hack", DJANGO, ids=[h.name for h in DJANGO])

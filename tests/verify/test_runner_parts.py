@@ -304,7 +304,12 @@ def test_a_marshalled_operand_is_checked_before_it_is_loaded() -> None:
     import marshal
 
     plain = [None, 2**100, 1.5, "é" * 300, b"xy", [1, (2, {3})], {"a": {1: [2]}, 2: ()}]
-    assert all(assertions.marshal_sound(marshal.dumps(v)) for v in plain)
+    assert all(assertions.marshal_sound(marshal.dumps(v, 2)) for v in plain)
+    # A value shared 2**40 ways takes a few hundred bytes with back-references: refused.
+    shared: list = [0]
+    for _ in range(40):
+        shared = [shared, shared]
+    assert not assertions.marshal_sound(marshal.dumps(shared))
     # A few bytes that declare a list of 2**31 - 1 items, a truncated value, a code object.
     huge = b"[\xff\xff\xff\x7f"
     code = marshal.dumps(compile("1", "x", "eval"))

@@ -180,12 +180,16 @@ async def gold_record(
     """The task's gold record (`gold.py`), recorded in two judged runs when not cached."""
     grader = resolve(task)
     required = task.FAIL_TO_PASS + task.PASS_TO_PASS
-    seen: list[list[dict[str, Any]]] = []
 
-    async def record_run(inproc: set[str], sources: dict[str, str] | None) -> GoldRun:
+    async def record_run(
+        inproc: set[str],
+        sources: dict[str, str] | None,
+        untabled: frozenset[str],
+        previous: list[list[dict[str, Any]]],
+    ) -> GoldRun:
         def plan_for(found: dict[str, str]) -> assertions.Plan:
             return assertions.plan_files(
-                required, sources or found, **framing(grader), inproc=inproc
+                required, sources or found, **framing(grader), inproc=inproc, untabled=untabled
             )
 
         run = await _judged_run(
@@ -204,24 +208,30 @@ async def gold_record(
         found = run.test_run.records
         plan = run.plan
         assert plan is not None
-        gold_now = assertions.Gold(runs=[assertions.by_test(r) for r in [*seen, found]])
-        seen.append(found)
-        # The gold run's own assertions must hold; coverage is a rule for candidates.
+        gold_now = assertions.Gold(runs=[assertions.by_test(r) for r in [*previous, found]])
+        # The gold run's own assertions must hold (against the run before it, once there is
+        # one); coverage is a rule for candidates.
         tests, _flags, _notes = judge(
             replace(task, uncoverable=required),
             run.test_run,
             run.judged.diff,
             config.defences_off,
             plan=plan,
-            gold=gold_now if len(seen) > 1 else None,
+            gold=gold_now if previous else None,
         )
         bad = sorted(t for t, o in tests.items() if o != "passed")
         if bad:
             why = _notes.get("assertion_failures", {}).get(bad[0]) or tests[bad[0]]
+            # What to leave as written next time: the rows whose held item could not be
+            # judged, else the failing tests' tables.
+            failing = list(_notes.get("failed_handles", [])) or [
+                assertions.function_of(t, **framing(grader)) for t in bad
+            ]
             return GoldRun(
                 ok=False,
                 reason=f"{len(bad)} required test(s) did not pass, {bad[0]}: {why}",
                 sources=run.sources,
+                failing=sorted({f for f in failing if f}),
             )
         return GoldRun(ok=True, sources=run.sources, records=found)
 
@@ -268,7 +278,11 @@ async def grade(
         if record is None:
             return None
         return assertions.plan_files(
-            required, record.sources, **framing(grader), inproc=set(record.inproc)
+            required,
+            record.sources,
+            **framing(grader),
+            inproc=set(record.inproc),
+            untabled=frozenset(record.untabled),
         )
 
     run = await _judged_run(

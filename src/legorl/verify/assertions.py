@@ -119,6 +119,7 @@ class Plan:
     found: dict[str, bool]  # required test -> its function is in the pristine source
     keys: dict[str, str]  # required test -> the key its events carry
     errors: dict[str, str] = field(default_factory=dict)  # path -> why it was not planned
+    held: dict[str, Any] = field(default_factory=dict)  # a table handle's key -> its value
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,10 +174,13 @@ def literal(node: ast.AST, bound: frozenset[str] | set[str], approx: set[str]) -
     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult)):
         left, right = literal(node.left, bound, approx), literal(node.right, bound, approx)
         numbers = (int, float, complex)
-        if isinstance(node.op, ast.Mult) and (
-            not (type(left) in numbers and type(right) in numbers)
-        ):
-            raise _NotLiteral  # "x" * 10**9 is a way to make the judge allocate
+        if isinstance(node.op, ast.Mult) and not (type(left) in numbers and type(right) in numbers):
+            seq, times = (left, right) if type(right) is int else (right, left)
+            if type(seq) not in (str, bytes, tuple, list) or type(times) is not int:
+                raise _NotLiteral
+            if times < 0 or len(seq) * times > 1 << 16:
+                raise _NotLiteral  # "x" * 10**9 is a way to make the judge allocate
+            return seq * times
         if type(left) in (str, bytes, tuple, list) and type(right) is not type(left):
             raise _NotLiteral
         try:
@@ -256,7 +260,14 @@ def _call(attr: str, *args: ast.expr) -> ast.expr:
 
 
 class _Rewriter(ast.NodeTransformer):
-    def __init__(self, path: str, bound: set[str], approx: set[str], inproc: set[str]) -> None:
+    def __init__(
+        self,
+        path: str,
+        bound: set[str],
+        approx: set[str],
+        inproc: set[str],
+        untabled: frozenset[str],
+    ) -> None:
         self.path = path
         self.bound = bound
         self.approx = approx
@@ -264,6 +275,8 @@ class _Rewriter(ast.NodeTransformer):
         self.sites: dict[str, Site] = {}
         self.held_names: dict[str, Any] = {}  # a function's literal locals, while in it
         self.classes: list[str] = []  # the enclosing classes' names
+        self.untabled = untabled  # functions ("path::Qual.name") whose tables stay as written
+        self.held_values: dict[str, Any] = {}  # a table's held items by key
         self.depth = 0
 
     # -- sites
@@ -282,15 +295,30 @@ class _Rewriter(ast.NodeTransformer):
             return (False, None), node
         return (True, value), _ref("HELD")
 
-    def _emit_check(self, sid: str, op: str, operands: list[ast.expr], **extra: Any) -> ast.expr:
+    def _emit_check(
+        self,
+        sid: str,
+        op: str,
+        operands: list[ast.expr],
+        fallback: tuple[ast.expr, bool] | None = None,
+        **extra: Any,
+    ) -> ast.expr:
+        """A site of the judge's: ``check(site, *operands)``, which says nothing of the
+        comparison. Where the gold run's operands were not plain data (``self.inproc``), the
+        site runs in process: as written (``fallback``) when the judge holds an operand, else
+        through ``adapt``, which compares here only when an operand is not plain data."""
         held, args = [], []
         for operand in operands:
             h, arg = self._operand(operand)
             held.append(h)
             args.append(arg)
+        if sid in self.inproc and fallback is not None and any(h for h, _ in held):
+            return self._inproc(sid, *fallback)
         counted = not (op in ("truth", "not") and not held[0][0] and _compares_inside(operands[0]))
         self.sites[sid] = Site(sid, op, held, extra=extra, counted=counted)
-        return _call("check", ast.Constant(sid), ast.Constant(op), *args)
+        if sid in self.inproc:
+            return _call("adapt", ast.Constant(sid), ast.Constant(op), *args)
+        return _call("check", ast.Constant(sid), *args)
 
     def _inproc(self, sid: str, statement_expr: ast.expr, assert_: bool) -> ast.expr:
         self.sites[sid] = Site(sid, "inproc", [], mode="inproc", counted=False)
@@ -305,43 +333,29 @@ class _Rewriter(ast.NodeTransformer):
         sid = self._site_id(node, part)
         if any(isinstance(n, ast.NamedExpr) for n in ast.walk(test)):
             return None  # a walrus binds names the rest of the test uses: left as written
-        if sid in self.inproc:
-            return self._inproc(sid, test, assert_=True)
+        written = (test, True)
         if isinstance(test, ast.Compare) and len(test.ops) == 1:
             op_node, right = test.ops[0], test.comparators[0]
             if isinstance(op_node, (ast.Is, ast.IsNot)):
+                positive = isinstance(op_node, ast.Is)
                 if not (isinstance(right, ast.Constant) and right.value in (None, True, False)):
                     # identity of two computed objects: the judge compares their ids
-                    self.sites[sid] = Site(
-                        sid,
-                        "same" if isinstance(op_node, ast.Is) else "not_same",
-                        [(False, None), (False, None)],
-                    )
-                    return _call("idents", ast.Constant(sid), test.left, right)
-                if isinstance(right, ast.Constant) and right.value in (None, True, False):
-                    positive = isinstance(op_node, ast.Is)
-                    if right.value is None:
-                        return self._emit_check(
-                            sid, "is_none" if positive else "not_none", [test.left]
-                        )
-                    return self._emit_check(
-                        sid, "is_const" if positive else "not_const", [test.left, right]
-                    )
-                return self._inproc(sid, test, assert_=True)
+                    op = "same" if positive else "not_same"
+                    return self._emit_check(sid, op, [test.left, right], written)
+                if right.value is None:
+                    op = "is_none" if positive else "not_none"
+                    return self._emit_check(sid, op, [test.left], written)
+                op = "is_const" if positive else "not_const"
+                return self._emit_check(sid, op, [test.left, right], written)
             op = _COMPARE[type(op_node)]
-            if (
-                op in ("eq", "ne")
-                and isinstance(right, ast.Call)
-                and _callee(right.func) in self.approx
-            ):
-                return self._approx(sid, test.left, right, negate=op == "ne")
-            if (
-                op in ("eq", "ne")
-                and isinstance(test.left, ast.Call)
-                and _callee(test.left.func) in self.approx
-            ):
-                return self._approx(sid, right, test.left, negate=op == "ne")
-            return self._emit_check(sid, op, [test.left, right])
+            for value, other in ((test.left, right), (right, test.left)):
+                if (
+                    op in ("eq", "ne")
+                    and isinstance(other, ast.Call)
+                    and _callee(other.func) in self.approx
+                ):
+                    return self._approx(sid, value, other, negate=op == "ne")
+            return self._emit_check(sid, op, [test.left, right], written)
         if isinstance(test, ast.Compare):
             return self._inproc(sid, test, assert_=True)
         if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
@@ -352,14 +366,14 @@ class _Rewriter(ast.NodeTransformer):
                 and "isinstance" not in self.bound
             ):
                 return self._isinstance(sid, inner, negate=True) or self._inproc(sid, test, True)
-            return self._emit_check(sid, "not", [inner])
+            return self._emit_check(sid, "not", [inner], written)
         if (
             isinstance(test, ast.Call)
             and _callee(test.func) == "isinstance"
             and "isinstance" not in self.bound
         ):
             return self._isinstance(sid, test, negate=False) or self._inproc(sid, test, True)
-        return self._emit_check(sid, "truth", [test])
+        return self._emit_check(sid, "truth", [test], written)
 
     def _approx(self, sid: str, value: ast.expr, approx: ast.Call, negate: bool) -> ast.expr:
         try:
@@ -367,9 +381,12 @@ class _Rewriter(ast.NodeTransformer):
         except _NotLiteral:
             held = None
         op = "not_approx" if negate else "approx"
+        written = ast.Compare(value, [ast.NotEq() if negate else ast.Eq()], [approx])
+        if sid in self.inproc:
+            return self._inproc(sid, written, assert_=True)
         if held is not None:
             self.sites[sid] = Site(sid, op, [(False, None), (True, held)])
-            return _call("check", ast.Constant(sid), ast.Constant(op), value, _ref("HELD"))
+            return _call("check", ast.Constant(sid), value, _ref("HELD"))
         options: dict[str, Any] = {}
         try:
             for kw in approx.keywords:
@@ -377,11 +394,11 @@ class _Rewriter(ast.NodeTransformer):
                     raise _NotLiteral
                 options[kw.arg] = float(literal(kw.value, self.bound, self.approx))
         except (_NotLiteral, TypeError, ValueError):
-            return self._inproc(sid, ast.Compare(value, [ast.Eq()], [approx]), assert_=True)
+            return self._inproc(sid, written, assert_=True)
         if len(approx.args) != 1:
-            return self._inproc(sid, ast.Compare(value, [ast.Eq()], [approx]), assert_=True)
+            return self._inproc(sid, written, assert_=True)
         self.sites[sid] = Site(sid, op, [(False, None), (False, None)], extra=options)
-        return _call("check", ast.Constant(sid), ast.Constant(op), value, approx.args[0])
+        return _call("check", ast.Constant(sid), value, approx.args[0])
 
     def _isinstance(self, sid: str, call: ast.Call, negate: bool) -> ast.expr | None:
         if len(call.args) != 2 or call.keywords:
@@ -393,7 +410,7 @@ class _Rewriter(ast.NodeTransformer):
         self.sites[sid] = Site(
             sid, "notisinstance" if negate else "isinstance", [(False, None)], types=names
         )
-        return _call("types_of", ast.Constant(sid), call.args[0])
+        return _call("check", ast.Constant(sid), call.args[0])
 
     # -- visitors
 
@@ -406,6 +423,9 @@ class _Rewriter(ast.NodeTransformer):
     def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> Any:
         saved = self.held_names
         self.held_names = _held_locals(node, self.bound, self.approx)
+        if f"{self.path}::{'.'.join([*self.classes, node.name])}" not in self.untabled:
+            # (``untabled`` also names single rows, by their handle's key)
+            self._hold_tables(node)
         self.depth += 1
         self.generic_visit(node)
         self.depth -= 1
@@ -436,6 +456,55 @@ class _Rewriter(ast.NodeTransformer):
         return node
 
     visit_AsyncFunctionDef = visit_FunctionDef
+
+    def _hold_tables(self, fn: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        """A table-driven test's expected column: a local bound once to a sequence of rows of
+        one arity, read only as the iterable of a ``for`` that unpacks them. Each row's last
+        item, where it is a literal other than None, becomes an opaque handle
+        (``__legorl__.Held(key)``) whose value only the judge has; one that reaches an
+        assertion's operand goes out as its key. A handle the test computes with raises; the
+        gold record then leaves that test's tables as written (`gold.py`)."""
+        loads: Counter[str] = Counter()
+        stores: Counter[str] = Counter()
+        loops: dict[str, int] = {}
+        for sub in ast.walk(fn):
+            if isinstance(sub, ast.Name):
+                (stores if isinstance(sub.ctx, ast.Store) else loads)[sub.id] += 1
+            if (
+                isinstance(sub, ast.For)
+                and isinstance(sub.iter, ast.Name)
+                and isinstance(sub.target, ast.Tuple)
+                and all(isinstance(e, ast.Name) for e in sub.target.elts)
+            ):
+                loops[sub.iter.id] = len(sub.target.elts)
+        for stmt in fn.body:
+            if not (
+                isinstance(stmt, ast.Assign)
+                and len(stmt.targets) == 1
+                and isinstance(stmt.targets[0], ast.Name)
+                and isinstance(stmt.value, (ast.Tuple, ast.List))
+            ):
+                continue
+            name = stmt.targets[0].id
+            arity = loops.get(name)
+            rows = stmt.value.elts
+            if arity is None or arity < 2 or stores[name] != 1 or loads[name] != 1 or not rows:
+                continue
+            if not all(isinstance(r, (ast.Tuple, ast.List)) and len(r.elts) == arity for r in rows):
+                continue
+            for i, row in enumerate(rows):
+                last = row.elts[-1]  # type: ignore[attr-defined]
+                try:
+                    value = literal(last, self.bound, self.approx)
+                except (_NotLiteral, RecursionError, MemoryError, OverflowError):
+                    continue
+                if value is None:
+                    continue
+                key = f"{self.path}:{stmt.lineno}:{i}"
+                if key in self.untabled:
+                    continue  # a row the gold run could not judge with its item held
+                self.held_values[key] = value
+                row.elts[-1] = _call("Held", ast.Constant(key))  # type: ignore[attr-defined]
 
     def visit_Assert(self, node: ast.Assert) -> Any:
         parts = (
@@ -483,23 +552,16 @@ class _Rewriter(ast.NodeTransformer):
                 extra["places"] = literal(args[2], self.bound, self.approx)
             except _NotLiteral:
                 return self._unit_inproc(node, call, sid)
-        if sid in self.inproc:
-            return self._unit_inproc(node, call, sid)
-        if op in ("same", "not_same"):
-            self.sites[sid] = Site(sid, op, [(False, None), (False, None)])
-            node.value = _call(
-                "idents", ast.Constant(sid), self.visit(args[0]), self.visit(args[1])
-            )
-            return node
         if op in ("isinstance", "notisinstance"):
             try:
                 names = _type_names(args[1])
             except _NotLiteral:
                 return self._unit_inproc(node, call, sid)
             self.sites[sid] = Site(sid, op, [(False, None)], types=names)
-            node.value = _call("types_of", ast.Constant(sid), self.visit(args[0]))
+            node.value = _call("check", ast.Constant(sid), self.visit(args[0]))
             return node
-        node.value = self._emit_check(sid, op, [self.visit(a) for a in args[:count]], **extra)
+        operands = [self.visit(a) for a in args[:count]]
+        node.value = self._emit_check(sid, op, operands, (call, False), **extra)
         return node
 
     def _unit_inproc(self, node: ast.Expr, call: ast.Call, sid: str) -> ast.Expr:
@@ -596,8 +658,11 @@ def _held_locals(
     return candidates
 
 
-def rewrite(path: str, source: str, inproc: set[str]) -> tuple[str, dict[str, Site], ast.Module]:
-    """``source`` with its assertions made sites; the sites; the pristine tree."""
+def rewrite(
+    path: str, source: str, inproc: set[str], untabled: frozenset[str] = frozenset()
+) -> tuple[str, dict[str, Site], ast.Module, dict[str, Any]]:
+    """``source`` with its assertions made sites; the sites; the pristine tree; the values of
+    the tables' handles."""
     try:
         tree = ast.parse(source, filename=path)
         pristine = ast.parse(source, filename=path)
@@ -608,10 +673,10 @@ def rewrite(path: str, source: str, inproc: set[str]) -> tuple[str, dict[str, Si
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module == "pytest":
             approx.update(a.asname or a.name for a in node.names if a.name == "approx")
-    rewriter = _Rewriter(path, bound, approx, inproc)
+    rewriter = _Rewriter(path, bound, approx, inproc, untabled)
     new = rewriter.visit(tree)
     ast.fix_missing_locations(new)
-    return ast.unparse(new) + "\n", rewriter.sites, pristine
+    return ast.unparse(new) + "\n", rewriter.sites, pristine, rewriter.held_values
 
 
 # --------------------------------------------------------------------------------------------
@@ -674,18 +739,25 @@ def needed_files(tests: list[str], *, django: bool, pytest: bool) -> list[str]:
 
 
 def plan_files(
-    tests: list[str], sources: dict[str, str], *, django: bool, pytest: bool, inproc: set[str]
+    tests: list[str],
+    sources: dict[str, str],
+    *,
+    django: bool,
+    pytest: bool,
+    inproc: set[str],
+    untabled: frozenset[str] = frozenset(),
 ) -> Plan:
     """The rewrite of every file that defines a required test; decided on pristine sources."""
     plan = Plan(files={}, sites={}, found={}, keys={})
     trees: dict[str, ast.Module] = {}
     for path, source in sources.items():
         try:
-            plan.files[path], sites, trees[path] = rewrite(path, source, inproc)
+            plan.files[path], sites, trees[path], held = rewrite(path, source, inproc, untabled)
         except PlanError as exc:
             plan.errors[path] = str(exc)
             continue
         plan.sites.update(sites)
+        plan.held.update(held)
     for test in tests:
         loc = locate(test, django=django, pytest=pytest)
         if loc is None and re.fullmatch(r"test\w*", test):
@@ -699,6 +771,12 @@ def plan_files(
         plan.keys[test] = key
         plan.found[test] = path in trees and _defines(trees[path], qual)
     return plan
+
+
+def function_of(test: str, *, django: bool, pytest: bool) -> str | None:
+    """``path::Qual.name`` of a required test's function (where its tables are)."""
+    loc = locate(test, django=django, pytest=pytest)
+    return f"{loc[0]}::{loc[1]}" if loc else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -781,9 +859,7 @@ def marshal_sound(data: bytes) -> bool:
                     if found is None:
                         return None
                     pos = found
-        elif code == ord("r"):
-            pos += 4
-        else:
+        else:  # back-references ("r": a structure could share itself 2**n ways) and code objects
             return None  # code objects and the rest are not plain data
         return pos if pos <= end else None
 
@@ -796,12 +872,24 @@ class Event:
     values: list[Any]  # per operand: a value, or _MISSING (held, or not plain)
     plain: list[bool]  # per operand: crossed as plain data (held ones: True)
     held: list[bool]
-    types: list[list[str]] | None = None  # class names (isinstance, raises); None: nothing raised
+    #: per operand: its class names (isinstance; raises: what the block raised, None if nothing)
+    types: list[list[list[str]] | None] = field(default_factory=list)
+    idents: list[int | None] = field(default_factory=list)  # per operand: its id (identity)
+    keys: list[str | None] = field(default_factory=list)  # per operand: a table handle's key
     ok: bool | None = None  # an in-process site's own verdict
     adaptive: bool = False  # a judge site that compared in process (an operand not plain)
 
 
 _MISSING = object()
+
+
+def _names(raw: Any) -> list[list[str]] | None:
+    """Class names as sent ([[module, qualname], ...]); a malformed list reads as None."""
+    if not isinstance(raw, list) or len(raw) > 64:
+        return None
+    if not all(isinstance(n, list) and len(n) == 2 and all(type(x) is str for x in n) for n in raw):
+        return None
+    return [[a[:200], b[:200]] for a, b in raw]
 
 
 def decode(record: dict[str, Any]) -> Event | None:
@@ -814,29 +902,14 @@ def decode(record: dict[str, Any]) -> Event | None:
     raw = record.get("v")
     if not isinstance(raw, list):
         return None
-    event = Event(site, [], [], [])
+    event = Event(site, [], [], [], types=[], idents=[], keys=[])
     for item in raw[:4]:
         if not isinstance(item, dict):
             return None
-        if "t" in item:
-            names = item["t"]
-            if names is not None and not (
-                isinstance(names, list) and all(isinstance(n, list) and len(n) == 2 for n in names)
-            ):
-                return None
-            event.types = None if names is None else [[str(a), str(b)] for a, b in names]
-            event.values.append(_MISSING)
-            event.plain.append(names is not None)
-            event.held.append(False)
-            continue
-        if item.get("h") == 1:
-            event.values.append(_MISSING)
-            event.plain.append(True)
-            event.held.append(True)
-            continue
-        data = item.get("m")
+        held = item.get("h") == 1
         value: Any = _MISSING
-        if isinstance(data, str):
+        data = item.get("m")
+        if isinstance(data, str) and not held:
             try:
                 blob = binascii.a2b_base64(data)
                 value = marshal.loads(blob) if marshal_sound(blob) else _MISSING
@@ -844,9 +917,14 @@ def decode(record: dict[str, Any]) -> Event | None:
                 value = _MISSING
             if value is not _MISSING and not _exact(value):
                 value = _MISSING
+        ident = item.get("i")
+        handle = item.get("k")
+        event.keys.append(handle if held and type(handle) is str else None)
         event.values.append(value)
-        event.plain.append(value is not _MISSING)
-        event.held.append(False)
+        event.plain.append(held or value is not _MISSING)
+        event.held.append(held)
+        event.types.append(_names(item.get("t")))
+        event.idents.append(ident if type(ident) is int else None)
     return event
 
 
@@ -902,11 +980,22 @@ def _count_eq(a: Any, b: Any) -> bool:
     return not rest
 
 
-def holds(site: Site, values: list[Any], types: list[list[str]] | None) -> bool:
+#: Comparisons made on what the operands are, not on their plain data.
+_BY_TYPE = {"isinstance", "notisinstance", "raises"}
+_BY_ID = {"same", "not_same"}
+
+
+def holds(site: Site, values: list[Any], event: Event) -> bool:
     """Whether the assertion holds on plain values (never code of the judged process)."""
     op = site.op
     try:
-        if op in ("isinstance", "notisinstance", "raises"):
+        if op in _BY_ID:
+            a_id, b_id = event.idents[0], event.idents[1]
+            if a_id is None or b_id is None:
+                return False
+            return (a_id == b_id) == (op == "same")
+        if op in _BY_TYPE:
+            types = event.types[0] if event.types else None
             if types is None:
                 return False
             names = {qual.rsplit(".", 1)[-1] for _, qual in types}
@@ -942,10 +1031,6 @@ def holds(site: Site, values: list[Any], types: list[list[str]] | None) -> bool:
             return a is None
         if op == "not_none":
             return a is not None
-        if op == "same":
-            return type(a) is int and type(b) is int and a == b
-        if op == "not_same":
-            return type(a) is int and type(b) is int and a != b
         if op == "is_const":
             return a is b
         if op == "not_const":
@@ -1013,6 +1098,16 @@ def nonplain_sites(runs: list[dict[str, TestEvents]]) -> set[str]:
     return found
 
 
+def unplain_handles(run: dict[str, TestEvents]) -> frozenset[str]:
+    """Table handles sent beside an operand that was not plain data."""
+    found: set[str] = set()
+    for entry in run.values():
+        for event in entry.events:
+            if event.ok is None and not all(event.plain):
+                found.update(k for k in event.keys if k)
+    return frozenset(found)
+
+
 @dataclass(slots=True)
 class Gold:
     """What the gold patch's two runs recorded: the expected event sequence and values."""
@@ -1031,6 +1126,16 @@ class Gold:
             if index < len(events) and events[index].ok is not None:
                 return True
         return False
+
+    def handle(self, key: str, index: int, operand: int) -> str | None:
+        """The table handle the gold runs sent at one operand, when they all sent the same."""
+        found = set()
+        for run in self.runs:
+            events = run.get(key, TestEvents()).events
+            if index >= len(events) or operand >= len(events[index].keys):
+                return None
+            found.add(events[index].keys[operand])
+        return found.pop() if len(found) == 1 else None
 
     def value(self, key: str, index: int, operand: int) -> Any:
         """The gold runs' value of one operand, when they agree and it is plain; else _MISSING."""
@@ -1055,6 +1160,7 @@ class Judgement:
     judged_out: int = 0  # events judged here, on plain data
     judged_in: int = 0
     detail: str = ""
+    handles: list[str] = field(default_factory=list)  # table handles of the failed event
 
 
 def judge_test(
@@ -1085,15 +1191,22 @@ def judge_test(
                 "failed", detail=f"an assertion event from an unknown site {event.site[:80]}"
             )
         if event.ok is not None or site.mode == "inproc":
-            if event.adaptive and site.mode == "judge" and not gold.in_process(key, index):
+            # A verdict the judged process made itself counts only where the plan asked for
+            # one (an in-process site) or, at a site of the judge's, where the gold run's
+            # operands at this very event were not plain data either.
+            if site.mode == "judge" and not (event.adaptive and gold.in_process(key, index)):
                 return Judgement(
-                    "failed", detail=f"{site.id}: not plain data where the gold run's was"
+                    "failed", detail=f"{site.id}: no plain data where the gold run's was"
+                )
+            if site.mode == "inproc" and event.ok is None:
+                return Judgement(
+                    "failed", detail=f"{site.id}: operands sent for an in-process site"
                 )
             verdict.judged_in += 1
             if event.ok is not True:
                 return Judgement("failed", detail=f"{site.id}: failed (judged in process)")
             continue
-        if len(event.values) != len(site.held) or event.held != [h for h, _ in site.held]:
+        if len(event.values) != len(site.held):
             return Judgement(
                 "failed", detail=f"{site.id}: the event's operands do not fit the site"
             )
@@ -1101,11 +1214,27 @@ def judge_test(
         for i, ((is_held, held_value), value, was_plain) in enumerate(
             zip(site.held, event.values, event.plain, strict=True)
         ):
+            handle = event.keys[i] if i < len(event.keys) else None
             if is_held:
+                if not event.held[i] or handle is not None:
+                    return Judgement("failed", detail=f"{site.id}: a held operand was not left out")
                 values.append(held_value)
                 continue
-            if site.op not in ("isinstance", "notisinstance", "raises") and not was_plain:
-                return Judgement("failed", detail=f"{site.id}: an operand is not plain data")
+            # A table's handle stands exactly where the gold run's stood, or nowhere.
+            expected_handle = gold.handle(key, index, i) if expected is not None else None
+            if handle != expected_handle or (handle is not None and handle not in plan.held):
+                return Judgement("failed", detail=f"{site.id}: a held value out of its place")
+            if handle is not None:
+                values.append(plan.held[handle])
+                continue
+            if event.held[i]:
+                return Judgement("failed", detail=f"{site.id}: a held operand out of its place")
+            if site.op not in _BY_TYPE | _BY_ID and not was_plain:
+                return Judgement(
+                    "failed",
+                    detail=f"{site.id}: an operand is not plain data",
+                    handles=[k for k in event.keys if k],
+                )
             if site.op in _EQ and expected is not None:
                 pinned = gold.value(key, index, i)
                 if pinned is not _MISSING and not (type(value) is type(pinned) and value == pinned):
@@ -1113,7 +1242,7 @@ def judge_test(
                         "failed", detail=f"{site.id}: differs from the gold run's value"
                     )
             values.append(value)
-        if not holds(site, values, event.types):
+        if not holds(site, values, event):
             return Judgement("failed", detail=f"{site.id}: {site.op} does not hold")
         if site.counted:
             verdict.judged_out += 1

@@ -4,7 +4,8 @@ in two judged runs, each in a fresh grading sandbox of its own, and cached on di
 
     record = await store.get(task, record_run)   # record_run(inproc) -> GoldRun
 
-Run 1 strips every literal; a site whose operands did not cross as plain data there runs in
+Run 1 strips every literal and holds the tables' expected items (when a required test then
+fails, run 1 is made again with that test's tables as written); a site whose operands did not cross as plain data there runs in
 process in run 2 (and in every candidate's run). Values the two runs agree on are pinned; a
 test whose event sequence differs between them is unstable (its sequence is not enforced).
 
@@ -39,6 +40,15 @@ class GoldRun:
     reason: str = ""
     sources: dict[str, str] = field(default_factory=dict)  # pristine test files it planned from
     records: list[dict[str, Any]] = field(default_factory=list)  # the stream's assertion records
+    failing: list[str] = field(default_factory=list)  # functions of the tests that did not pass
+
+
+#: ``record_run(inproc, sources, untabled, previous)``: one judged run of the gold patch; its
+#: assertions judged against ``previous`` (this record's earlier run), when there is one.
+Recorder = Callable[
+    [set[str], dict[str, str] | None, frozenset[str], list[list[dict[str, Any]]]],
+    Awaitable["GoldRun"],
+]
 
 
 @dataclass(slots=True)
@@ -48,6 +58,7 @@ class GoldRecord:
     sources: dict[str, str]
     inproc: list[str]  # sites judged in process (not plain data for the gold patch)
     runs: list[list[dict[str, Any]]]
+    untabled: list[str] = field(default_factory=list)  # functions whose tables stay as written
 
     def gold(self) -> assertions.Gold:
         return assertions.Gold(runs=[assertions.by_test(r) for r in self.runs])
@@ -113,7 +124,7 @@ class GoldStore:
     async def get(
         self,
         task: Task,
-        record_run: Callable[[set[str], dict[str, str] | None], Awaitable[GoldRun]],
+        record_run: Recorder,
     ) -> GoldRecord:
         """The task's gold record, recorded with ``record_run(inproc, sources)`` when missing."""
         key = task_key(task, self.backend)
@@ -130,25 +141,47 @@ class GoldStore:
     async def _record(
         self,
         task: Task,
-        record_run: Callable[[set[str], dict[str, str] | None], Awaitable[GoldRun]],
+        record_run: Recorder,
     ) -> GoldRecord:
         if not task.patch.strip():
             return GoldRecord(False, "the task has no gold patch", {}, [], [])
-        first = await record_run(set(), None)
-        if not first.ok:
-            return GoldRecord(
-                False, f"the gold patch does not pass here: {first.reason}", first.sources, [], []
-            )
-        runs = [_assertion_records(first.records)]
-        inproc = assertions.nonplain_sites([assertions.by_test(runs[0])])
-        second = await record_run(inproc, first.sources)
-        if not second.ok:
-            return GoldRecord(
-                False,
-                f"the gold patch does not pass here: {second.reason}",
-                first.sources,
-                sorted(inproc),
-                [],
-            )
-        runs.append(_assertion_records(second.records))
-        return GoldRecord(True, "", first.sources, sorted(inproc), runs)
+        untabled: frozenset[str] = frozenset()
+        for _attempt in range(3):
+            first = await record_run(set(), None, untabled, [])
+            if not first.ok and first.failing and not set(first.failing) <= untabled:
+                # A test computed with a table item the judge held: its tables stay as written.
+                untabled |= frozenset(first.failing)
+                continue
+            if not first.ok:
+                return GoldRecord(
+                    False,
+                    f"the gold patch does not pass here: {first.reason}",
+                    first.sources,
+                    [],
+                    [],
+                )
+            runs = [_assertion_records(first.records)]
+            unplain = assertions.unplain_handles(assertions.by_test(runs[0]))
+            if not unplain <= untabled:
+                # A held item beside an operand that is not plain data cannot be judged
+                # anywhere: those rows stay as written.
+                untabled |= unplain
+                continue
+            inproc = assertions.nonplain_sites([assertions.by_test(runs[0])])
+            second = await record_run(inproc, first.sources, untabled, runs)
+            if not second.ok and second.failing and not set(second.failing) <= untabled:
+                untabled |= frozenset(second.failing)
+                continue
+            if not second.ok:
+                return GoldRecord(
+                    False,
+                    f"the gold patch does not pass here: {second.reason}",
+                    first.sources,
+                    sorted(inproc),
+                    [],
+                )
+            runs.append(_assertion_records(second.records))
+            break
+        else:
+            return GoldRecord(False, "the gold record did not settle in three tries", {}, [], [])
+        return GoldRecord(True, "", first.sources, sorted(inproc), runs, sorted(untabled))

@@ -129,18 +129,48 @@ def _send(record):
 
 
 _MAX_BYTES = 4 << 20  # one operand, marshalled; a larger one is not sent
+_id = id  # taken before any code under test runs
+
+
+class Held:
+    """A table item the judge holds: only its key is here. A test that computes with it gets
+    a TypeError (its gold run then holds no tables)."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key):
+        object.__setattr__(self, "key", key)
+
+    def __repr__(self):
+        return "<held by the judge>"
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("legorl: this value is held by the judge")
+
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = _refuse
+    __hash__ = __bool__ = __len__ = __iter__ = __str__ = __format__ = _refuse
+    __add__ = __radd__ = __mul__ = __rmul__ = __mod__ = __rmod__ = __getitem__ = _refuse
+    __contains__ = __getattr__ = __setattr__ = __call__ = __index__ = __int__ = __float__ = _refuse
 
 
 def _pack(value):
+    """One operand: its plain data (marshal version 2: no back-references), its class names
+    and its id; the judge takes what its comparison needs."""
     if value is HELD:
         return {"h": 1}
+    if type(value) is Held:
+        return {"h": 1, "k": str(object.__getattribute__(value, "key"))}
+    out = {"t": mro(value), "i": _id(value)}
     try:
-        data = marshal.dumps(plain(value))
+        data = marshal.dumps(plain(value), 2)
     except (NotPlain, ValueError, TypeError, RecursionError) as exc:
-        return {"x": str(exc)[:200]}
+        out["x"] = str(exc)[:200]
+        return out
     if len(data) > _MAX_BYTES:
-        return {"x": f"{len(data)} bytes"}
-    return {"m": binascii.b2a_base64(data, newline=False).decode()}
+        out["x"] = f"{len(data)} bytes"
+    else:
+        out["m"] = binascii.b2a_base64(data, newline=False).decode()
+    return out
 
 
 _IN_PROCESS: dict = {
@@ -160,10 +190,15 @@ _IN_PROCESS: dict = {
 }
 
 
-def check(site, op, *operands):
-    """One assertion's operands, out to the judge. When one is not plain data and the judge
-    holds none of them, the comparison is made here instead and only its result goes out (the
-    judge accepts that only where the gold patch's run did the same)."""
+def check(site, *operands):
+    """One assertion's operands, out to the judge; the comparison is the judge's alone."""
+    _send({"event": "a", "site": site, "v": [_pack(v) for v in operands]})
+
+
+def adapt(site, op, *operands):
+    """A site whose operands were not plain data for the gold patch (the judge holds none of
+    them): sent as ``check`` does when they are plain now, else compared here and only the
+    result goes out (the judge accepts that only where the gold run did the same)."""
     packed = [_pack(v) for v in operands]
     if any("x" in p for p in packed) and not any("h" in p for p in packed) and op in _IN_PROCESS:
         try:
@@ -173,19 +208,6 @@ def check(site, op, *operands):
         _send({"event": "a", "site": site, "ok": held, "np": 1})
         return
     _send({"event": "a", "site": site, "v": packed})
-
-
-_id = id  # taken before any code under test runs
-
-
-def idents(site, a, b):
-    """An identity check: the two objects' ids, out to the judge."""
-    _send({"event": "a", "site": site, "v": [_pack(_id(a)), _pack(_id(b))]})
-
-
-def types_of(site, value):
-    """An isinstance-style check: the value's class names, out to the judge."""
-    _send({"event": "a", "site": site, "v": [{"t": mro(value)}]})
 
 
 def inproc(site, thunk):
@@ -254,6 +276,6 @@ def install(emit):
     import types
 
     _emit[0] = emit
-    names = ("HELD", "check", "idents", "types_of", "inproc", "inproc_assert", "raises", "test")
+    names = ("HELD", "Held", "check", "adapt", "inproc", "inproc_assert", "raises", "test")
     space = globals()
     setattr(builtins, "__legorl__", types.SimpleNamespace(**{n: space[n] for n in names}))  # noqa: B010

@@ -58,7 +58,7 @@ def records(stream: bytes, key: bytes) -> tuple[list[dict[str, Any]], int]:
             record = json.loads(body)
             if not isinstance(record, dict):
                 raise ValueError("not a record")
-        except ValueError:
+        except (ValueError, RecursionError):
             forged += 1
             continue
         found.append(record)
@@ -75,29 +75,46 @@ class PytestReportParser:
         results = TestResults()
         found, results.forged_lines = records(report, key)
         for record in found:
-            event = record.get("event")
-            if event == "test":
-                nodeid, outcome = record["nodeid"], record["outcome"]
-                if outcome not in _RANK:
-                    outcome = "error"
-                if record["when"] != "call" and outcome == "failed":
-                    outcome = "error"  # setup or teardown failed
-                # The unittest recorder also signs the other spellings runners print.
-                for name in [nodeid, *record.get("aliases", ())]:
-                    old = results.outcomes.get(name)
-                    if old is None or _RANK[outcome] < _RANK[old]:
-                        results.outcomes[name] = outcome
-            elif event == "collect_error":
-                results.collect_errors.append(record["nodeid"])
-            elif event == "tampered":
-                results.tampered.append(record)
-            elif event == "shadowed":
-                results.shadowed = [str(n) for n in record["names"]]
-            elif event == "finish":
-                results.finished = True
-                results.exitstatus = record["exitstatus"]
-                results.others_failed = int(record.get("failed", 0))
+            try:
+                self._take(results, record)
+            except (KeyError, TypeError, ValueError, AttributeError):
+                results.forged_lines += 1  # signed, but not a record of ours: it counts for nothing
         return results
+
+    @staticmethod
+    def _take(results: TestResults, record: dict[str, Any]) -> None:
+        """One record into ``results``; a field of the wrong type raises (TypeError)."""
+        event = record.get("event")
+        if event == "test":
+            nodeid, outcome, when = (_text(record[k]) for k in ("nodeid", "outcome", "when"))
+            if outcome not in _RANK:
+                outcome = "error"
+            if when != "call" and outcome == "failed":
+                outcome = "error"  # setup or teardown failed
+            # The unittest recorder also signs the other spellings runners print.
+            for name in [nodeid, *(_text(a) for a in record.get("aliases", ()))]:
+                old = results.outcomes.get(name)
+                if old is None or _RANK[outcome] < _RANK[old]:
+                    results.outcomes[name] = outcome
+        elif event == "collect_error":
+            results.collect_errors.append(_text(record["nodeid"]))
+        elif event == "tampered":
+            results.tampered.append(record)
+        elif event == "shadowed":
+            results.shadowed = [_text(n) for n in record["names"]]
+        elif event == "finish":
+            status = record["exitstatus"]
+            if type(status) is not int:
+                raise TypeError("exitstatus")
+            results.finished = True
+            results.exitstatus = status
+            results.others_failed = int(record.get("failed", 0))
+
+
+def _text(value: Any) -> str:
+    if type(value) is not str:
+        raise TypeError("not text")
+    return value
 
 
 PARSERS: dict[str, LogParser] = {"pytest": PytestReportParser()}

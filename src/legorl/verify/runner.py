@@ -382,6 +382,7 @@ def _judge_assertions(
     out = dict(tests)
     why: dict[str, str] = {}
     in_process: list[str] = []  # tests with an assertion (or all of them) judged in process
+    handles: list[str] = []  # table handles at failed events
     counts = {"fail_to_pass": [0, 0], "pass_to_pass": [0, 0]}  # [judged out, all events]
     for test in task.FAIL_TO_PASS + task.PASS_TO_PASS:
         group = "fail_to_pass" if test in task.FAIL_TO_PASS else "pass_to_pass"
@@ -402,6 +403,7 @@ def _judge_assertions(
             in_process.append(test)
         if verdict.outcome != "passed":
             why[test] = verdict.detail
+            handles.extend(verdict.handles)
             if out[test] == "passed":
                 out[test] = "failed" if verdict.outcome in ("failed", "raised") else verdict.outcome
     notes["assertions"] = {
@@ -411,4 +413,6 @@ def _judge_assertions(
         notes["assertion_failures"] = dict(list(why.items())[:10])
     if in_process:
         notes["judged_in_process"] = in_process[:20]
+    if handles:
+        notes["failed_handles"] = sorted(set(handles))
     return out

@@ -143,7 +143,7 @@ def _pytest_sections(name: str, text: str | None) -> Any:
         cfg = configparser.RawConfigParser()
         cfg.read_string(text)
         return {s: dict(cfg[s]) for s in cfg.sections() if s in ("tool:pytest", "pytest")}
-    except (tomllib.TOMLDecodeError, configparser.Error):
+    except (tomllib.TOMLDecodeError, configparser.Error, RecursionError, ValueError):
         return text
 
 
