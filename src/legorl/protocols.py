@@ -126,6 +126,25 @@ class Sandbox(Protocol):
 
     The repository is at ``workdir``; its git history is one commit; the network reaches only
     ``proxy_url`` (when one was given at start). ``test_patch`` is never inside.
+
+    ``exec(..., judged=True)`` runs the command as the unprivileged ``JUDGED_UID``
+    (``legorl.sandbox.common``, 65534: "nobody", whose passwd entry images carry) with every
+    capability gone (effective, permitted, inheritable, ambient) and no-new-privileges, so no
+    setuid binary or file capability gives any back. Before its first judged command the
+    sandbox chowns the repository to that uid (as root, never following a symlink), so the
+    judged code may write the repository and nothing else outside /tmp. Each judged command
+    gets a fresh folder ``/tmp/legorl-judged-<random>/`` (mode 0700, owned by the judged
+    uid) made empty by root just before it: ``HOME`` is its ``home/``, ``TMPDIR`` its ``tmp/``,
+    ``PYTHONPYCACHEPREFIX`` its ``pycache/``, so no bytecode cache is read from (or written
+    to) the repository. These three win over ``env``. ``PYTHONDONTWRITEBYTECODE`` is left as
+    the image and ``env`` set it: with the prefix, bytecode goes to the private folder, where
+    writing it is harmless and spares a test suite's subprocesses from compiling again. A
+    Python started with ``-I`` or ``-E`` ignores ``PYTHONPYCACHEPREFIX``: give it
+    ``-X pycache_prefix="$PYTHONPYCACHEPREFIX"`` as well. Files and folders root made under
+    /tmp with mode 0700 (0600) stay unreadable to the judged command. Judged commands of one
+    sandbox share the uid (and, on Docker, processes outlive their command): one judged run
+    per sandbox, then ``close``. The local backend needs to run as root for judged commands
+    (a separate host uid); elsewhere it raises ``SandboxError``.
     """
 
     id: str
@@ -144,6 +163,7 @@ class Sandbox(Protocol):
         env: dict[str, str] | None = None,
         cwd: str | None = None,
         stdin: bytes | None = None,
+        judged: bool = False,  # as the unprivileged judged user (see the class docstring)
     ) -> ExecResult: ...
 
     async def write_file(self, path: str, data: bytes) -> None: ...
@@ -159,6 +179,16 @@ class Sandbox(Protocol):
 
 @runtime_checkable
 class SandboxBackend(Protocol):
+    """Starts sandboxes. ``start(..., grading=True)`` makes a grading sandbox: one per
+    verdict-bearing run, from the pristine instance layer, closed after that run. Its root
+    file system is read-only (the image's or env layer's site-packages and ``.pth`` files,
+    /usr, /etc, /opt, / itself) even for root; only the repository (``workdir``, a fresh copy
+    of the instance layer's) and /tmp (Docker: a 512 MiB tmpfs, exec allowed; local: the
+    sandbox's private folder, mode 1777) are writable, and /dev/shm, private to the sandbox.
+    No network, no proxy. Docker also keeps only the capabilities root's own grading steps
+    use (chown, file ownership overrides, kill). Agent sandboxes (``grading=False``) are as
+    before."""
+
     name: str  # "docker" | "local"
     config_class: ClassVar[type]  # the dataclass ``SANDBOXES.build`` makes from keyword options
 
@@ -171,6 +201,7 @@ class SandboxBackend(Protocol):
         proxy_url: str | None = None,  # host-side URL of the proxy endpoint to let through
         limits: Limits | None = None,
         harness_runtime: bool = False,  # attach the shared harness-runtime layer
+        grading: bool = False,  # a grading sandbox (see the class docstring)
     ) -> Sandbox: ...
 
 

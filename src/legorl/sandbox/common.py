@@ -37,6 +37,30 @@ RELAY_DIR = "/run/legorl"
 #: PATH inside a sandbox (the runtime's bin/ is appended when it is attached).
 BASE_PATH = f"{ENV_DIR}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
+#: The unprivileged user (and group) of judged commands (``Sandbox.exec(judged=True)``):
+#: "nobody", which Debian, Ubuntu and SWE-bench images all name, so ``pwd`` lookups work.
+JUDGED_UID = 65534
+#: The size cap of a grading sandbox's /tmp (Docker's tmpfs).
+GRADING_TMP_MB = 512
+#: The capabilities root keeps in a grading sandbox, for its own grading steps (git apply, the
+#: chown before the judged run, writing into the judged user's tree); judged commands hold none.
+GRADING_CAPS = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL")
+#: The private folders of one judged command sit in a fresh ``/tmp/<prefix><random>``.
+JUDGED_DIR_PREFIX = "legorl-judged-"
+
+
+def judged_env(folder: str) -> dict[str, str]:
+    """What a judged command's environment gets from its private ``folder`` (under /tmp)."""
+    return {
+        "HOME": f"{folder}/home",
+        "TMPDIR": f"{folder}/tmp",
+        "PYTHONPYCACHEPREFIX": f"{folder}/pycache",
+    }
+
+
+#: The subfolders of a judged command's private folder, each mode 0700.
+JUDGED_SUBDIRS = ("home", "tmp", "pycache")
+
 _T = TypeVar("_T")
 _threads: concurrent.futures.ThreadPoolExecutor | None = None
 _threads_lock = threading.Lock()

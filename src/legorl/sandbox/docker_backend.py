@@ -48,6 +48,11 @@ from legorl.protocols import ExecResult, Limits, SandboxError
 from legorl.sandbox import cgroups, tree_probe
 from legorl.sandbox.common import (
     BASE_PATH,
+    GRADING_CAPS,
+    GRADING_TMP_MB,
+    JUDGED_DIR_PREFIX,
+    JUDGED_SUBDIRS,
+    JUDGED_UID,
     RELAY_DIR,
     RUNTIME_DIR,
     WORKDIR,
@@ -61,6 +66,7 @@ from legorl.sandbox.common import (
     cache_root,
     classify,
     in_thread,
+    judged_env,
     last_used,
     owner_alive,
     owner_tag,
@@ -851,8 +857,11 @@ class DockerSandbox:
         image: str = "",
         env_path: str = BASE_PATH,
         env_vars: dict[str, str] | None = None,
+        grading: bool = False,
     ) -> None:
         self.backend = backend
+        self.grading = grading
+        self._judged_ready = False  # the repository is chowned to the judged user
         self.api = backend.api
         self.id = name
         self.container_id = container_id
@@ -887,10 +896,36 @@ class DockerSandbox:
         cwd: str | None = None,
         stdin: bytes | None = None,
         on_output: Callable[[bytes], None] | None = None,
+        judged: bool = False,
     ) -> ExecResult:
         return await in_thread(
-            self.exec_sync, cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin, on_output=on_output
+            self.exec_sync,
+            cmd,
+            timeout=timeout,
+            env=env,
+            cwd=cwd,
+            stdin=stdin,
+            on_output=on_output,
+            judged=judged,
         )
+
+    def _judged_folder(self) -> str:
+        """As root: the repository chowned to the judged user (before the first judged
+        command; ``-h``: a symlink in the tree is changed itself, never what it points at),
+        and a fresh private folder for this judged command, empty, mode 0700, its owner."""
+        folder = f"/tmp/{JUDGED_DIR_PREFIX}{secrets.token_hex(8)}"
+        dirs = [folder, *(f"{folder}/{sub}" for sub in JUDGED_SUBDIRS)]
+        owner = f"{JUDGED_UID}:{JUDGED_UID}"
+        steps = [] if self._judged_ready else [["chown", "-R", "-h", "-P", owner, WORKDIR]]
+        steps += [["mkdir", "-m", "0700", *dirs], ["chown", owner, *dirs]]
+        script = " && ".join(" ".join(step) for step in steps)
+        made = self.exec_sync(["/bin/sh", "-c", script], timeout=300, cwd="/")
+        if made.exit_code != 0:
+            raise SandboxError(
+                f"sandbox {self.id}: cannot prepare the judged run: {_last(made.output)}"
+            )
+        self._judged_ready = True
+        return folder
 
     def exec_sync(
         self,
@@ -902,16 +937,18 @@ class DockerSandbox:
         stdin: bytes | None = None,
         on_output: Callable[[bytes], None] | None = None,
         output_limit: int | None = None,
+        judged: bool = False,
     ) -> ExecResult:
         if self._closed:
             raise SandboxError(f"sandbox {self.id} is closed")
+        private = judged_env(self._judged_folder()) if judged else {}
         left = self._deadline.left()
         if left <= 0:
             return ExecResult(exit_code=None, output="", timed_out=True, killed_by="wall")
         wall_bound = left < timeout
         budget = min(timeout, left)
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        environment = {**self.env_vars, "PATH": self.env_path, **(env or {})}
+        environment = {**self.env_vars, "PATH": self.env_path, **(env or {}), **private}
         started = time.monotonic()
         before = self._counters()
         try:
@@ -934,6 +971,7 @@ class DockerSandbox:
                 stdin=stdin is not None,
                 environment=environment,
                 workdir=cwd or WORKDIR,
+                user=f"{JUDGED_UID}:{JUDGED_UID}" if judged else "",
             )
         except Exception as exc:
             raise SandboxError(f"sandbox {self.id}: exec failed: {_short(exc)}") from None
@@ -1291,7 +1329,9 @@ class DockerBackend:
         import docker.errors
 
         try:
-            self.api.remove_container(container_id, force=True)
+            # v: with the container goes its anonymous volume (a grading sandbox's /testbed);
+            # named ones (the harness runtime) stay.
+            self.api.remove_container(container_id, force=True, v=True)
         except docker.errors.NotFound:
             pass
         except docker.errors.APIError as exc:
@@ -1328,6 +1368,7 @@ class DockerBackend:
         proxy_url: str | None = None,
         limits: Limits | None = None,
         harness_runtime: bool = False,
+        grading: bool = False,
     ) -> DockerSandbox:
         return await in_thread(
             self.start_sync,
@@ -1337,6 +1378,7 @@ class DockerBackend:
             proxy_url=proxy_url,
             limits=limits,
             harness_runtime=harness_runtime,
+            grading=grading,
         )
 
     def start_sync(
@@ -1348,6 +1390,7 @@ class DockerBackend:
         proxy_url: str | None = None,
         limits: Limits | None = None,
         harness_runtime: bool = False,
+        grading: bool = False,
     ) -> DockerSandbox:
         import docker.errors
         from docker.types import Mount
@@ -1385,6 +1428,17 @@ class DockerBackend:
             shutil.copy(FORWARDER, rundir / "forwarder.py")
             relay = open_relay(rundir / "proxy.sock", proxy_url)
             binds = {str(rundir): {"bind": RELAY_DIR, "mode": "ro"}}
+        lockdown: dict[str, Any] = {"cap_drop": ["NET_RAW", "MKNOD", "AUDIT_WRITE"]}
+        if grading:
+            # The image's files read-only; /testbed a fresh anonymous volume (Docker copies
+            # the image's repository into it; removed with the container); /tmp a tmpfs.
+            mounts.append(Mount(WORKDIR, None, type="volume"))
+            lockdown = {
+                "read_only": True,
+                "tmpfs": {"/tmp": f"rw,exec,nosuid,nodev,size={GRADING_TMP_MB}m,mode=1777"},
+                "cap_drop": ["ALL"],
+                "cap_add": list(GRADING_CAPS),
+            }
         host_config = self.api.create_host_config(
             network_mode="none",
             init=True,
@@ -1396,7 +1450,7 @@ class DockerBackend:
             binds=binds,
             mounts=mounts or None,
             security_opt=["no-new-privileges"],
-            cap_drop=["NET_RAW", "MKNOD", "AUDIT_WRITE"],
+            **lockdown,
         )
         labels = {
             LABEL: "1",
@@ -1405,6 +1459,8 @@ class DockerBackend:
             "legorl.task": task.instance_id,
             "legorl.image": tag,
         }
+        if grading:
+            labels["legorl.grading"] = "1"
         cid = ""
         try:
             for attempt in (1, 2):
@@ -1452,6 +1508,7 @@ class DockerBackend:
             image=tag,
             env_path=env_path,
             env_vars=env_vars,
+            grading=grading,
         )
         touch_usage(tag)
         if relay is not None:

@@ -41,6 +41,10 @@ from legorl.sandbox import cgroups, tree_probe
 from legorl.sandbox.common import (
     BASE_PATH,
     ENV_DIR,
+    GRADING_CAPS,
+    JUDGED_DIR_PREFIX,
+    JUDGED_SUBDIRS,
+    JUDGED_UID,
     RELAY_DIR,
     RUNTIME_DIR,
     WORKDIR,
@@ -52,6 +56,7 @@ from legorl.sandbox.common import (
     cache_root,
     classify,
     in_thread,
+    judged_env,
     owner_alive,
     owner_tag,
     state_root,
@@ -65,6 +70,39 @@ from legorl.sandbox.runtime import RuntimeSources, local_layout, missing_parts, 
 
 #: Host folders every sandbox sees read-only (merged-/usr symlinks are recreated as links).
 HOST_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
+
+#: How a judged command becomes the judged user, run by the host's Python (``-I -S``: nothing
+#: from the repository or the environment is read) as root in a bubblewrap without a user
+#: namespace, holding only CAP_SETUID, CAP_SETGID and CAP_SETPCAP: the bounding set emptied,
+#: groups dropped, uid and gid set (which clears the permitted, effective and ambient sets),
+#: the inheritable set cleared, then the command. bwrap's own ``--uid`` needs a user
+#: namespace, and there it maps the judged uid onto the caller's: run by root, the judged
+#: command would own every root-owned file (a 0700 folder of the grader's in /tmp included).
+_BECOME_JUDGED = r"""
+import ctypes, os, sys
+uid = int(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+with open("/proc/sys/kernel/cap_last_cap") as fh:
+    last = int(fh.read())
+for cap in range(last + 1):
+    if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+        sys.exit(f"legorl: cannot drop capability {cap} from the bounding set")
+os.setgroups([])
+os.setresgid(uid, uid, uid)
+os.setresuid(uid, uid, uid)
+header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+if libc.capset(header, (ctypes.c_uint32 * 6)()) != 0:
+    sys.exit("legorl: cannot clear the capability sets")
+exe = sys.argv[2]
+if "/" not in exe:  # looked up here: os.execvp would import modules lazily
+    found = [f"{d}/{exe}" for d in os.environ.get("PATH", "").split(":") if d]
+    exe = next((p for p in found if os.path.isfile(p) and os.access(p, os.X_OK)), exe)
+try:
+    os.execv(exe, sys.argv[2:])
+except OSError as exc:
+    print(f"legorl: {sys.argv[2]}: {exc.strerror}", file=sys.stderr)
+    sys.exit(127)
+"""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -316,6 +354,22 @@ def _host_view(paths: tuple[str, ...]) -> list[str]:
     return args
 
 
+def _parents(path: str, host_paths: tuple[str, ...]) -> list[str]:
+    """``--dir`` (mode 0755) for the folders between a sandbox mount (/root, /tmp) and
+    ``path``, unless a host folder bound read-only already holds them."""
+    if any(path == h or path.startswith(h.rstrip("/") + "/") for h in host_paths):
+        return []
+    parts = Path(path).parts[1:-1]
+    out: list[str] = []
+    for i in range(2, len(parts) + 1):
+        out += ["--perms", "0755", "--dir", "/" + "/".join(parts[:i])]
+    return out
+
+
+def _cap_args(caps: tuple[str, ...]) -> list[str]:
+    return [arg for cap in caps for arg in ("--cap-add", f"CAP_{cap}")]
+
+
 class LocalSandbox:
     """One bubblewrap sandbox: a private folder plus the flags every command runs with."""
 
@@ -333,8 +387,13 @@ class LocalSandbox:
         runtime: tuple[Path, list[Path]] | None,
         cgroup: cgroups.CgroupSet | None,
         pristine_git: Path,
+        interpreter: str = "python3",
+        grading: bool = False,
     ) -> None:
         self.backend = backend
+        self.grading = grading
+        self._interpreter = interpreter  # the host's Python, bound read-only inside
+        self._judged_ready = False  # the repository is chowned to the judged user
         self.id = name
         self.root = root
         self.workdir = WORKDIR
@@ -355,22 +414,44 @@ class LocalSandbox:
         self.runtime_env = {"PATH": path}
         #: The OpenHands SDK's Python when the runtime is attached.
         self.openhands_python = f"{RUNTIME_DIR}/openhands/bin/python" if runtime else None
-        flags = [
+        self._head = [
             backend.config.bwrap,
             "--unshare-all",  # user (where possible), pid, ipc, uts, cgroup and net
             "--unshare-user-try",
             "--die-with-parent",
             "--new-session",
             "--cap-drop", "ALL",
+        ]  # fmt: skip
+        # A judged command: no user namespace (see _BECOME_JUDGED), the same others.
+        no_userns = [
+            backend.config.bwrap,
+            "--unshare-pid", "--unshare-ipc", "--unshare-net", "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--die-with-parent",
+            "--new-session",
+            "--cap-drop", "ALL",
+        ]  # fmt: skip
+        self._judged_head = [*no_userns, *_cap_args(("SETUID", "SETGID", "SETPCAP"))]
+        if grading:
+            # Root's own grading steps, as on Docker: the host's root with GRADING_CAPS (in a
+            # user namespace it could neither chown nor write the judged user's files).
+            self._head = [*no_userns, *_cap_args(GRADING_CAPS)]
+        # A grading sandbox's HOME is an empty per-command tmpfs, read-only once the host's
+        # Python is bound below it; the sandbox's root (bwrap's tmpfs) is made read-only last.
+        home = ["--tmpfs", "/root"] if grading else ["--bind", str(root / "home"), "/root"]
+        flags = [
             "--hostname", "sandbox",
             *_host_view(backend.config.host_paths),
             "--ro-bind", str(env_dir), ENV_DIR,
             "--proc", "/proc",
             "--dev", "/dev",
             "--bind", str(root / "tmp"), "/tmp",
-            "--bind", str(root / "home"), "/root",
+            *home,
             "--bind", str(root / "repo"), WORKDIR,
-            # After /root and /tmp: the host's Python (pyenv) may live below either.
+            # After /root and /tmp: the host's Python (pyenv) may live below either; the
+            # folders bwrap makes on the way are 0700 unless made here, which would keep the
+            # judged user from the Python.
+            *_parents(python_prefix, backend.config.host_paths),
             "--ro-bind", python_prefix, python_prefix,
         ]  # fmt: skip
         if runtime is not None:
@@ -383,19 +464,29 @@ class LocalSandbox:
         if "/opt" in backend.config.host_paths:
             flags += ["--remount-ro", "/opt"]
         self._flags = flags
+        self._last = ["--remount-ro", "/root", "--remount-ro", "/"] if grading else []
         self._port = inside_port(relay.port) if relay else None
 
     # -- exec
 
     def _argv(
-        self, cmd: str | list[str], cwd: str | None, extra: tuple[str, ...] = ()
+        self,
+        cmd: str | list[str],
+        cwd: str | None,
+        extra: tuple[str, ...] = (),
+        judged: bool = False,
     ) -> list[str]:
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         if self._port is not None:
             py = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else "python3"
             start = f'{py} {RELAY_DIR}/forwarder.py {self._port} {RELAY_DIR}/proxy.sock --daemon && exec "$@"'
             argv = ["/bin/sh", "-c", start, "sh", *argv]
-        full = [*self._flags, *extra, "--chdir", cwd or WORKDIR, "--", *argv]
+        head = self._head
+        if judged:
+            head = self._judged_head
+            become = [self._interpreter, "-I", "-S", "-c", _BECOME_JUDGED, str(JUDGED_UID)]
+            argv = [*become, *argv]
+        full = [*head, *self._flags, *extra, *self._last, "--chdir", cwd or WORKDIR, "--", *argv]
         if self.cgroup is not None:
             files = " ".join(f"'{p}'" for p in self.cgroup.procs_files())
             join = f'for f in {files}; do echo $$ > "$f" || exit 125; done; exec "$@"'
@@ -411,11 +502,37 @@ class LocalSandbox:
         cwd: str | None = None,
         stdin: bytes | None = None,
         on_output: Callable[[bytes], None] | None = None,
+        judged: bool = False,
     ) -> ExecResult:
         result, _ = await self._run(
-            cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin, on_output=on_output
+            cmd, timeout=timeout, env=env, cwd=cwd, stdin=stdin, on_output=on_output, judged=judged
         )
         return result
+
+    def _judged_folder(self) -> str:
+        """On the host, as root: the repository chowned to the judged user before the first
+        judged command (symlinks changed themselves, never followed), and a fresh private
+        folder for this command (empty, mode 0700, its owner). /tmp becomes 1777 (sticky):
+        the judged user may make files there, never remove root's."""
+        if os.geteuid() != 0:
+            raise SandboxError(
+                f"sandbox {self.id}: a judged command needs a user of its own, and the local "
+                "backend can switch users only when it runs as root (or use --backend docker)"
+            )
+        if not self._judged_ready:
+            repo = self.root / "repo"
+            os.lchown(repo, JUDGED_UID, JUDGED_UID)
+            for top, dirs, files in os.walk(repo):
+                for name in dirs + files:
+                    os.lchown(os.path.join(top, name), JUDGED_UID, JUDGED_UID)
+            os.chmod(self.root / "tmp", 0o1777)
+            self._judged_ready = True
+        name = f"{JUDGED_DIR_PREFIX}{secrets.token_hex(8)}"
+        folder = self.root / "tmp" / name
+        for path in (folder, *(folder / sub for sub in JUDGED_SUBDIRS)):
+            path.mkdir(mode=0o700)
+            os.lchown(path, JUDGED_UID, JUDGED_UID)
+        return f"/tmp/{name}"
 
     async def _run(
         self,
@@ -428,9 +545,11 @@ class LocalSandbox:
         on_output: Callable[[bytes], None] | None = None,
         output_limit: int | None = None,
         extra_flags: tuple[str, ...] = (),
+        judged: bool = False,
     ) -> tuple[ExecResult, bytes]:
         if self._closed:
             raise SandboxError(f"sandbox {self.id} is closed")
+        private = judged_env(await in_thread(self._judged_folder)) if judged else {}
         left = self._deadline.left()
         if left <= 0:
             return ExecResult(exit_code=None, output="", timed_out=True, killed_by="wall"), b""
@@ -441,11 +560,11 @@ class LocalSandbox:
         started = time.monotonic()
         try:
             proc = await asyncio.create_subprocess_exec(
-                *self._argv(cmd, cwd, extra_flags),
+                *self._argv(cmd, cwd, extra_flags, judged),
                 stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                env={**self._env, **(env or {})},
+                env={**self._env, **(env or {}), **private},
                 start_new_session=True,
             )
         except FileNotFoundError:
@@ -606,6 +725,7 @@ class LocalBackend:
         proxy_url: str | None = None,
         limits: Limits | None = None,
         harness_runtime: bool = False,
+        grading: bool = False,
     ) -> LocalSandbox:
         return await in_thread(
             self.start_sync,
@@ -615,6 +735,7 @@ class LocalBackend:
             proxy_url=proxy_url,
             limits=limits,
             harness_runtime=harness_runtime,
+            grading=grading,
         )
 
     def start_sync(
@@ -626,6 +747,7 @@ class LocalBackend:
         proxy_url: str | None = None,
         limits: Limits | None = None,
         harness_runtime: bool = False,
+        grading: bool = False,
     ) -> LocalSandbox:
         self.check()
         limits = limits or Limits()
@@ -673,6 +795,8 @@ class LocalBackend:
                 runtime=runtime,
                 cgroup=cg,
                 pristine_git=_layer_dir(instance) / "repo" / ".git",
+                interpreter=base.recipe["interpreter"],
+                grading=grading,
             )
         except BaseException:
             if relay is not None:

@@ -1,0 +1,287 @@
+"""Grading sandboxes (``start(grading=True)``) and judged commands (``exec(judged=True)``),
+attacked from inside on both backends: the judged code must not write anything the judge
+later reads or runs, outside the repository and its private tmp. Each defence has a control
+that shows the same attack working with the defence switched off."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from sandbox_fixtures import (  # noqa: F401  (fixtures are found by name)
+    TASKS_DIR,
+    fixture_backend,
+    fixture_docker_backend,
+    fixture_local_backend,
+    run,
+    run_id,
+    task,
+)
+
+from legorl.sandbox.common import JUDGED_DIR_PREFIX, JUDGED_UID
+
+# Tries to create a file in each folder named on the command line (a .pth where Python would
+# run it at startup); prints what it managed. The folders come from the env's own Python.
+_WRITE_PROBE = r"""
+import json, os, site, sys, sysconfig
+targets = site.getsitepackages()  # the env's (a venv: its own)
+targets += site.getsitepackages([sys.base_prefix])  # the Python's own (Debian: dist-packages)
+base = sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_prefix})
+targets += [base["purelib"], base["platlib"], "/usr", "/usr/local/lib", "/etc", "/opt", "/"]
+out = {}
+for folder in dict.fromkeys(targets):
+    if not os.path.isdir(folder):
+        continue
+    path = os.path.join(folder, "legorl-attack.pth")
+    try:
+        with open(path, "w") as fh:
+            fh.write("import os\n")
+        os.unlink(path)
+        out[folder] = "written"
+    except OSError as exc:
+        out[folder] = exc.strerror
+print(json.dumps(out))
+"""
+
+
+async def _start(backend: Any, **kw: Any) -> Any:
+    return await backend.start(task(), str(TASKS_DIR), run_id=run_id(), **kw)
+
+
+async def _ok(box: Any, cmd: str | list[str], **kw: Any) -> str:
+    r = await box.exec(cmd, **kw)
+    assert r.exit_code == 0, f"{cmd}: {r.output}"
+    return str(r.output)
+
+
+async def _probe(box: Any, judged: bool) -> dict[str, str]:
+    out = await _ok(box, ["python", "-c", _WRITE_PROBE], judged=judged)
+    return dict(json.loads(out.strip().splitlines()[-1]))
+
+
+def test_nothing_outside_the_repository_and_tmp_is_writable(backend: Any) -> None:
+    async def go() -> None:
+        box = await _start(backend, grading=True)
+        try:
+            judged = await _probe(box, judged=True)
+            root = await _probe(box, judged=False)  # the root file system is read-only to root
+            # The repository and the private tmp are writable to the judged user.
+            await _ok(box, 'touch /testbed/new.py "$TMPDIR/x" "$HOME/y"', judged=True)
+        finally:
+            await box.close()
+        site = [f for f in judged if "-packages" in f]
+        assert any("legorl-env" in f for f in site) and len(site) >= 2, judged
+        assert {"/usr", "/etc", "/opt", "/"} <= set(judged)
+        assert not {f for f, v in judged.items() if v == "written"}, judged
+        assert not {f for f, v in root.items() if v == "written"}, root
+
+        # Control: in an agent sandbox, root writes the sandbox's root (both backends) and the
+        # env's site-packages (Docker; the local env layer is bound read-only there too).
+        agent = await _start(backend)
+        try:
+            control = await _probe(agent, judged=False)
+        finally:
+            await agent.close()
+        assert control["/"] == "written", control
+        if backend.name == "docker":
+            assert control["/opt/legorl-env/lib/python3.11/site-packages"] == "written", control
+
+    run(go())
+
+
+def test_the_judged_user_has_no_privilege_and_fresh_private_folders(backend: Any) -> None:
+    script = (
+        "id -u; id -g; id -G; grep -E '^(Cap(Inh|Prm|Eff|Amb)|NoNewPrivs):' /proc/self/status; "
+        'for d in "$HOME" "$TMPDIR" "$PYTHONPYCACHEPREFIX"; do '
+        'echo "$d $(stat -c %u:%g:%a "$d") [$(ls -A "$d")]"; done'
+    )
+
+    async def go() -> None:
+        box = await _start(backend, grading=True)
+        try:
+            first = (await _ok(box, script, judged=True)).splitlines()
+            second = (await _ok(box, script, judged=True)).splitlines()
+            as_root = await _ok(box, "id -u")
+        finally:
+            await box.close()
+        uid = str(JUDGED_UID)
+        assert first[:3] == [uid, uid, uid], first
+        caps = dict(line.split(":\t") for line in first[3:8])
+        assert caps == {
+            "CapInh": "0" * 16,
+            "CapPrm": "0" * 16,
+            "CapEff": "0" * 16,
+            "CapAmb": "0" * 16,
+            "NoNewPrivs": "1",
+        }, caps
+        folders = [line.split()[0] for line in first[8:]]
+        assert len(folders) == 3 and len(set(folders)) == 3
+        for line in first[8:]:
+            path, mode, listing = line.split()
+            assert path.startswith(f"/tmp/{JUDGED_DIR_PREFIX}"), line
+            assert mode == f"{uid}:{uid}:700" and listing == "[]", line
+        # Each judged command gets new ones.
+        assert not set(folders) & {line.split()[0] for line in second[8:]}
+        assert as_root.strip() == "0"  # control: the same sandbox's root phase is root
+
+    run(go())
+
+
+def test_the_graders_private_files_in_tmp_stay_private(backend: Any) -> None:
+    async def go() -> None:
+        box = await _start(backend, grading=True)
+        try:
+            await _ok(
+                box,
+                "mkdir -m 0700 /tmp/grader && echo oracle > /tmp/grader/expected && "
+                "(umask 077 && echo oracle > /tmp/expected.txt) && "
+                "mkdir -m 0755 /tmp/shared && echo runner > /tmp/shared/runner.py",
+            )
+            attack = await box.exec(
+                "cat /tmp/grader/expected; ls /tmp/grader; cat /tmp/expected.txt; "
+                "rm -rf /tmp/grader /tmp/expected.txt; mv /tmp/grader /tmp/mine; "
+                "cat /tmp/shared/runner.py",
+                judged=True,
+            )
+            still = await _ok(box, "cat /tmp/grader/expected /tmp/expected.txt")
+        finally:
+            await box.close()
+        assert "oracle" not in attack.output, attack.output
+        refused = [
+            line
+            for line in attack.output.splitlines()
+            if line.endswith(("Permission denied", "Operation not permitted"))
+        ]
+        assert len(refused) == 6, attack.output  # 3 reads, 2 removals, 1 rename
+        assert still == "oracle\noracle\n"  # neither removed nor renamed
+        # Control: what root left readable (0755/0644) the judged command reads: the failures
+        # above are the modes', not an unreachable /tmp.
+        assert "runner" in attack.output
+
+    run(go())
+
+
+_PLANT = r"""
+import os, py_compile
+os.chdir("/testbed")
+with open("mod.py", "w") as fh:
+    fh.write("print('stale')\n")
+py_compile.compile("mod.py", doraise=True)
+st = os.stat("mod.py")
+with open("mod.py", "w") as fh:
+    fh.write("print('fresh')\n")  # same size; the stamp is put back below
+os.utime("mod.py", ns=(st.st_atime_ns, st.st_mtime_ns))
+print(sorted(os.listdir("__pycache__")))
+"""
+
+
+def test_no_bytecode_cache_is_read_from_the_repository(backend: Any) -> None:
+    # A __pycache__/mod.cpython-3XX.pyc that says "stale", planted beside a mod.py of the same
+    # size and mtime that says "fresh": Python trusts a cache whose stamp matches its source.
+    async def go() -> None:
+        box = await _start(backend, grading=True)
+        try:
+            planted = await _ok(box, ["python", "-c", _PLANT])
+            control = await _ok(box, "python -c 'import mod'")  # root, no prefix
+            empty = await _ok(box, 'ls -A "$PYTHONPYCACHEPREFIX"', judged=True)
+            judged = await _ok(
+                box,
+                'python -c "import mod" && ls -R "$PYTHONPYCACHEPREFIX" | grep -c "^mod\\."',
+                judged=True,
+            )
+            path = "import sys; sys.path.insert(0, '/testbed'); import mod"
+            isolated = await _ok(box, f'python -I -c "{path}"', judged=True)
+            isolated_x = await _ok(
+                box, f'python -I -X pycache_prefix="$PYTHONPYCACHEPREFIX" -c "{path}"', judged=True
+            )
+        finally:
+            await box.close()
+        assert "mod.cpython-3" in planted, planted
+        assert control == "stale\n"  # the plant works: without the prefix it is what runs
+        assert empty == ""
+        assert judged == "fresh\n1\n"  # the source ran, its bytecode went to the prefix
+        # -I ignores the environment's prefix (documented on Sandbox): -X pycache_prefix holds.
+        assert isolated == "stale\n"
+        assert isolated_x == "fresh\n"
+
+    run(go())
+
+
+def test_root_phase_applies_patches_and_chowns_in_a_grading_sandbox(backend: Any) -> None:
+    patch = (
+        "diff --git a/geometry.py b/geometry.py\n--- a/geometry.py\n+++ b/geometry.py\n"
+        "@@ -0,0 +1 @@\n+# graded\n"
+    )
+
+    async def go() -> None:
+        box = await _start(backend, grading=True)
+        try:
+            await _ok(box, ["git", "apply", "--unidiff-zero", "-"], stdin=patch.encode())
+            head = await _ok(box, "id -u; head -1 geometry.py; git status --porcelain")
+            await _ok(box, "echo made > /tmp/owned && chown 123:456 /tmp/owned")
+            owner = await _ok(box, "stat -c %u:%g /tmp/owned")
+            await _ok(box, "echo judged > /testbed/out.txt", judged=True)
+            # After the judged run root still reads and writes the judged user's tree.
+            after = await _ok(box, "echo root >> /testbed/out.txt && stat -c %u out.txt")
+            content = await box.read_file("out.txt")
+        finally:
+            await box.close()
+        assert head == "0\n# graded\n M geometry.py\n"
+        assert owner == "123:456\n"
+        assert after == f"{JUDGED_UID}\n" and content == b"judged\nroot\n"
+
+    run(go())
+
+
+def test_a_symlink_in_the_tree_does_not_lend_the_grader_files_to_the_judged(
+    backend: Any,
+) -> None:
+    # The chown before the judged run changes a symlink itself, never what it points at.
+    async def go() -> None:
+        box = await _start(backend, grading=True)
+        try:
+            await _ok(
+                box,
+                "mkdir -m 0700 /tmp/grader && echo oracle > /tmp/grader/expected && "
+                "ln -s /tmp/grader /testbed/link && ln -s /tmp/grader/expected /testbed/f",
+            )
+            attack = await box.exec("cat /testbed/f; ls /testbed/link/", judged=True)
+            owner = await _ok(box, "stat -c %u /tmp/grader /tmp/grader/expected")
+        finally:
+            await box.close()
+        assert "oracle" not in attack.output and attack.exit_code != 0, attack.output
+        assert owner == "0\n0\n"
+
+    run(go())
+
+
+def test_a_grading_container_takes_its_repository_volume_with_it(docker_backend: Any) -> None:
+    async def go() -> None:
+        box = await _start(docker_backend, grading=True)
+        try:
+            mounts = docker_backend.api.inspect_container(box.container_id)["Mounts"]
+            info = docker_backend.api.inspect_container(box.container_id)["HostConfig"]
+        finally:
+            await box.close()
+        volumes = [m["Name"] for m in mounts if m["Destination"] == "/testbed"]
+        assert len(volumes) == 1 and info["ReadonlyRootfs"] is True
+        names = {v["Name"] for v in docker_backend.api.volumes().get("Volumes") or []}
+        assert volumes[0] not in names
+
+    run(go())
+
+
+@pytest.mark.parametrize("grading", [False, True])
+def test_the_judged_command_runs_the_tests(backend: Any, grading: bool) -> None:
+    # The toy task's own suite passes as the judged user in either kind of sandbox (pytest
+    # writes its cache into the repository and tmp files into TMPDIR).
+    async def go() -> None:
+        box = await _start(backend, grading=grading)
+        try:
+            r = await box.exec("python -m pytest -q", judged=True, timeout=120)
+        finally:
+            await box.close()
+        assert r.exit_code == 0 and "passed" in r.output, r.output
+
+    run(go())
