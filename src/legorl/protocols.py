@@ -120,6 +120,21 @@ class SandboxError(RuntimeError):
     failure, never the agent's."""
 
 
+#: What ``Sandbox.read_file`` reads at most unless told otherwise (bytes).
+READ_LIMIT = 16 << 20
+
+
+class FileTooLarge(OSError):
+    """A file in a sandbox is larger than the reader's ``limit``: nothing of it was kept, and
+    no more than about ``limit`` bytes of it were ever read. What the sandbox's code wrote, so
+    an ``OSError`` like a missing file, never a ``SandboxError``."""
+
+    def __init__(self, path: str, limit: int, size: int | None = None) -> None:
+        seen = f"{size} bytes" if size is not None else "more"
+        super().__init__(f"{path}: {seen} in the sandbox, over the read limit of {limit} bytes")
+        self.path, self.limit, self.size = path, limit, size
+
+
 @runtime_checkable
 class Sandbox(Protocol):
     """A running, locked-down copy of a task's repository at ``base_commit``.
@@ -168,7 +183,12 @@ class Sandbox(Protocol):
 
     async def write_file(self, path: str, data: bytes) -> None: ...
 
-    async def read_file(self, path: str) -> bytes: ...
+    async def read_file(self, path: str, *, limit: int | None = READ_LIMIT) -> bytes:
+        """The bytes of a regular file (relative paths under ``workdir``), streamed: a file
+        over ``limit`` bytes raises ``FileTooLarge`` having read at most about ``limit`` of it
+        (``None``: no bound). ``FileNotFoundError`` / ``IsADirectoryError`` as for a host
+        file."""
+        ...
 
     async def diff(self) -> str:
         """``git diff`` of the working tree (untracked files included) against base_commit."""

@@ -25,6 +25,7 @@ from legorl.harnesses import SCRATCH, _classify_limits, _env, _run_record, defau
 from legorl.protocols import ApiShape, ExecResult, HarnessRun, Requirement, Sandbox
 
 TRAJECTORY = f"{SCRATCH}/miniswe.traj.json"
+TRAJECTORY_LIMIT = 64 << 20  # bytes of its trajectory file read back
 RUNTIME_PYTHON = "/opt/legorl-runtime/miniswe/bin/python"
 #: Exit statuses that mean the proxy (the "model provider") failed, not the agent.
 _PROVIDER_ERRORS = ("APIConnectionError", "InternalServerError", "ServiceUnavailableError")
@@ -110,7 +111,7 @@ class MiniSweAgentHarness:
         )
         result = await sandbox.exec(cmd, timeout=timeout, cwd=sandbox.workdir, env=env)
         try:
-            trajectory: bytes | None = await sandbox.read_file(TRAJECTORY)
+            trajectory: bytes | None = await sandbox.read_file(TRAJECTORY, limit=TRAJECTORY_LIMIT)
         except Exception:  # no trajectory: it never got far enough to write one
             trajectory = None
         return _run_record(result, classify(result, trajectory), started)

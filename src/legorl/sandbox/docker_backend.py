@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from legorl.protocols import ExecResult, Limits, SandboxError
+from legorl.protocols import READ_LIMIT, ExecResult, FileTooLarge, Limits, SandboxError
 from legorl.sandbox import cgroups, tree_probe
 from legorl.sandbox.common import (
     BASE_PATH,
@@ -92,6 +92,39 @@ START_HINT = (
 )
 LABEL = "legorl.sandbox"
 TREE_LIMIT = 4 << 30  # bytes of /testbed copied out for diff()
+#: Tar framing around one file in the daemon's archive: headers (pax ones too) and padding.
+_TAR_SLACK = 1 << 16
+
+
+class _StreamOver(Exception):
+    """The daemon's stream went past what its reader may take."""
+
+
+class _CappedStream(io.RawIOBase):
+    """A file-like view of a chunk iterator that refuses to read past ``cap`` bytes."""
+
+    def __init__(self, chunks: Any, cap: int | None) -> None:
+        self._chunks = iter(chunks)
+        self._buf = memoryview(b"")
+        self._cap = cap
+        self._taken = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, out: Any) -> int:
+        while not self._buf:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                return 0
+            self._taken += len(chunk)
+            if self._cap is not None and self._taken > self._cap:
+                raise _StreamOver
+            self._buf = memoryview(chunk)
+        n = min(len(out), len(self._buf))
+        out[:n] = self._buf[:n]
+        self._buf = self._buf[n:]
+        return n
 
 
 @dataclass(slots=True, kw_only=True)
@@ -1084,7 +1117,7 @@ class DockerSandbox:
 
     def _read_inside(self, path: str) -> bytes:
         try:
-            return self.read_file_sync(path)
+            return self.read_file_sync(path, 1 << 20)
         except FileNotFoundError:
             return b""
 
@@ -1115,25 +1148,42 @@ class DockerSandbox:
                 ) from None
             self.api.put_archive(self.container_id, folder, buf.getvalue())
 
-    async def read_file(self, path: str) -> bytes:
-        return await in_thread(self.read_file_sync, path)
+    async def read_file(self, path: str, *, limit: int | None = READ_LIMIT) -> bytes:
+        return await in_thread(self.read_file_sync, path, limit)
 
-    def read_file_sync(self, path: str) -> bytes:
+    def read_file_sync(self, path: str, limit: int | None = READ_LIMIT) -> bytes:
+        """The daemon's tar stream of ``path``, read chunk by chunk: the size the daemon
+        states is checked before any byte is read, and the stream is never read past
+        ``limit`` plus the tar framing (a file may grow after the daemon stats it)."""
         import docker.errors
 
         full = path if path.startswith("/") else f"{WORKDIR}/{path}"
         try:
-            stream, _ = self.api.get_archive(self.container_id, full)
+            stream, stat = self.api.get_archive(self.container_id, full)
         except docker.errors.NotFound:
             raise FileNotFoundError(f"{full}: no such file in sandbox {self.id}") from None
-        data = b"".join(stream)
-        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
-            member = tar.next()
-            if member is None or not member.isfile():
-                raise IsADirectoryError(f"{full}: not a regular file in sandbox {self.id}")
-            fh = tar.extractfile(member)
-            assert fh is not None
-            return fh.read()
+        try:
+            size = (stat or {}).get("size")
+            if limit is not None and isinstance(size, int) and size > limit:
+                raise FileTooLarge(full, limit, size)
+            reader = _CappedStream(stream, None if limit is None else limit + _TAR_SLACK)
+            try:
+                with tarfile.open(fileobj=reader, mode="r|") as tar:
+                    member = tar.next()
+                    if member is None or not member.isfile():
+                        raise IsADirectoryError(f"{full}: not a regular file in sandbox {self.id}")
+                    if limit is not None and member.size > limit:
+                        raise FileTooLarge(full, limit, member.size)
+                    fh = tar.extractfile(member)
+                    assert fh is not None
+                    return fh.read()
+            except _StreamOver:
+                raise FileTooLarge(full, limit or 0) from None
+        finally:
+            close = getattr(stream, "close", None)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    close()
 
     async def diff(self) -> str:
         return await in_thread(self.diff_sync)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from legorl.protocols import ExecResult, Limits, SandboxError
+from legorl.protocols import READ_LIMIT, ExecResult, FileTooLarge, Limits, SandboxError
 from legorl.sandbox import cgroups, tree_probe
 from legorl.sandbox.common import (
     BASE_PATH,
@@ -624,16 +624,31 @@ class LocalSandbox:
         if result.exit_code != 0:
             raise SandboxError(f"sandbox {self.id}: cannot write {full}: {result.output.strip()}")
 
-    async def read_file(self, path: str) -> bytes:
+    async def read_file(self, path: str, *, limit: int | None = READ_LIMIT) -> bytes:
+        """Through the sandbox: a file whose size is over ``limit`` is not read at all, and
+        ``head -c`` reads at most ``limit + 1`` bytes of one that grows meanwhile (one more
+        than allowed tells a file over the limit from one exactly at it)."""
         full = path if path.startswith("/") else f"{WORKDIR}/{path}"
-        script = 'test -f "$1" || { echo "no such file" >&2; exit 44; }; cat "$1"'
+        found = 'test -f "$1" || { echo "no such file" >&2; exit 44; }; '
+        if limit is None:
+            script, cap = found + 'cat "$1"', 1 << 40
+        else:
+            size = (
+                's=$(stat -L -c %s "$1") || exit 1; [ "$s" -le "$2" ] || { echo "$s"; exit 45; }; '
+            )
+            script, cap = found + size + 'head -c "$(($2 + 1))" "$1"', limit + 1
         result, raw = await self._run(
-            ["/bin/sh", "-c", script, "sh", full], timeout=120, output_limit=1 << 31
+            ["/bin/sh", "-c", script, "sh", full, str(limit)], timeout=120, output_limit=cap
         )
         if result.exit_code == 44:
             raise FileNotFoundError(f"{full}: no such file in sandbox {self.id}")
+        if result.exit_code == 45 and limit is not None:
+            stated = result.output.strip()
+            raise FileTooLarge(full, limit, int(stated) if stated.isdigit() else None)
         if result.exit_code != 0:
             raise SandboxError(f"sandbox {self.id}: cannot read {full}: {result.output.strip()}")
+        if limit is not None and len(raw) > limit:
+            raise FileTooLarge(full, limit)
         return raw
 
     async def diff(self) -> str:

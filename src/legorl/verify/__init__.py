@@ -14,7 +14,9 @@ compared with them, and the FAIL_TO_PASS tests run again by an independent runne
 always-true twins (`plainrun.py`; all judged in `runner.py`). Every FAIL_TO_PASS and
 PASS_TO_PASS test must report `passed`; missing, errored, skipped, timed-out or untrusted tests
 fail. Trajectories with environment-failure statuses pass through
-with reward null.
+with reward null. Any other null (or an exception while grading) stands only when the empty
+patch, graded the same way, fails too; otherwise it is the patch's 0, flagged
+``grading_failed`` (``control.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 from legorl.protocols import Limits, Sandbox, SandboxBackend, SandboxError
 from legorl.records import ENVIRONMENT_FAILURES, Task, Trajectory, Turn
 from legorl.verify import assertions
+from legorl.verify.control import Controls, graded_or_control
 from legorl.verify.gold import GoldRecord, GoldRun, GoldStore
 from legorl.verify.runner import (
     TestRun,
@@ -61,8 +64,9 @@ class VerifyConfig:
     limits: Limits | None = None
     #: Test-only: defences switched off, for the controls that show each one matters. Names:
     #: ``verify.runner.DEFENCES`` and, for the patch phase, "judge_tree" (the old header-level
-    #: ``sanitize`` instead of judging the applied tree) and "strict_patch" (malformed text and
-    #: .git paths not refused, the old git and fallbacks).
+    #: ``sanitize`` instead of judging the applied tree), "strict_patch" (malformed text and
+    #: .git paths not refused, the old git and fallbacks) and "neutral_git" (grading's git dir
+    #: keeps the repository's configuration, and the tree's attributes reach its git).
     defences_off: frozenset[str] = frozenset()
     #: Where gold records are cached (None: legorl's cache folder, ``gold/``).
     gold_cache: Path | None = None
@@ -97,11 +101,6 @@ async def _judged_run(
     out = _Run()
     sandbox: Sandbox | None = None
     try:
-        import inspect  # TEMP until the lockdown interface lands
-
-        extra = (
-            {"grading": True} if "grading" in inspect.signature(backend.start).parameters else {}
-        )
         sandbox = await backend.start(
             task,
             tasks_dir,
@@ -109,7 +108,7 @@ async def _judged_run(
             proxy_url=None,
             limits=_grading_limits(config.limits),
             harness_runtime=False,
-            **extra,
+            grading=True,
         )
         out.judged = await apply_model_patch(
             sandbox, task, patch, defences_off=config.defences_off, runners=runner_paths
@@ -361,9 +360,24 @@ async def verify(
     concurrency: int = 4,
     config: VerifyConfig | None = None,
 ) -> AsyncIterator[Trajectory]:
-    """Grade trajectories (at most ``concurrency`` at once), yielding each in input order."""
+    """Grade trajectories (at most ``concurrency`` at once), yielding each in input order.
+    One trajectory's grading cannot stop the batch: an exception while grading it, or a null
+    reward, is settled by a control grading of the empty patch (``control.py``)."""
     config = config or VerifyConfig()
     gate = asyncio.Semaphore(max(1, concurrency))
+    controls = Controls()
+
+    async def grade_one(traj: Trajectory, turns: list[Turn]) -> Trajectory:
+        task = tasks[traj.task_id]
+        return await grade(
+            traj,
+            task,
+            backend=backend,
+            tasks_dir=tasks_dir,
+            run_id=run_id,
+            turns=turns,
+            config=config,
+        )
 
     async def one(traj: Trajectory) -> Trajectory:
         if traj.status in ENVIRONMENT_FAILURES:
@@ -375,15 +389,14 @@ async def verify(
         task = tasks.get(traj.task_id)
         if task is None:
             raise KeyError(traj.task_id)
+        try:
+            turns = await asyncio.to_thread(load_turns, traj)
+        except Exception as exc:
+            why = f"its turns could not be read: {type(exc).__name__}: {str(exc)[:300]}"
+            return replace(traj, reward=None, verdict={"resolved": None, "reason": why})
         async with gate:
-            return await grade(
-                traj,
-                task,
-                backend=backend,
-                tasks_dir=tasks_dir,
-                run_id=run_id,
-                turns=load_turns(traj),
-                config=config,
+            return await graded_or_control(
+                traj, task, turns=turns, grade=grade_one, controls=controls
             )
 
     futures = [asyncio.ensure_future(one(t)) for t in trajectories]
@@ -394,3 +407,4 @@ async def verify(
         for fut in futures:
             fut.cancel()
         await asyncio.gather(*futures, return_exceptions=True)
+        await controls.close()

@@ -217,11 +217,8 @@ async def run_tests(
 async def _judged_exec(
     sandbox: Sandbox, argv: list[str], *, timeout: float, env: dict[str, str], stdin: bytes | None
 ) -> ExecResult:
-    import inspect  # TEMP until the lockdown interface lands
-
-    extra = {"judged": True} if "judged" in inspect.signature(sandbox.exec).parameters else {}
     return await sandbox.exec(
-        argv, timeout=timeout, cwd=sandbox.workdir, env=env, stdin=stdin, **extra
+        argv, timeout=timeout, cwd=sandbox.workdir, env=env, stdin=stdin, judged=True
     )
 
 

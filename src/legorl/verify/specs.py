@@ -19,8 +19,12 @@ official parser reads it and the grade is flagged ``output_parsed``).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import re
 import shlex
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,3 +166,100 @@ def resolve(task: Task) -> Grader:
     if parser is not None:
         swebench_parser(parser)
     return Grader(kind=kind, command=command, parser=parser, runner=runner)
+
+
+#: What one run of an official parser may use: CPU seconds, address space, wall seconds.
+PARSE_CPU_S = 20
+PARSE_MEMORY = 2 << 30
+PARSE_WALL_S = 60.0
+
+
+async def parse_capped(
+    parser: str,
+    text: str,
+    task: Task,
+    *,
+    cpu_s: int = PARSE_CPU_S,
+    memory: int = PARSE_MEMORY,
+    wall_s: float = PARSE_WALL_S,
+) -> tuple[dict[str, str], str | None]:
+    """The official parser ``parser``'s reading of ``text`` (a test name -> its status word),
+    run in a child interpreter with its CPU time (RLIMIT_CPU) and address space (RLIMIT_AS)
+    capped, awaited without blocking the event loop: a log that makes a parser backtrack costs
+    at most ``cpu_s`` of one core, never another grading's time. On a cap, a crash or a bad
+    answer: ``({}, reason)``; otherwise ``(statuses, None)``."""
+    swebench_parser(parser)  # a clear SpecError here, not in the child
+    request = {
+        "parser": parser,
+        "text": text,
+        "cpu_s": cpu_s,
+        "memory": memory,
+        "task": {
+            "instance_id": task.instance_id,
+            "repo": task.repo,
+            "version": task.version,
+            "FAIL_TO_PASS": task.FAIL_TO_PASS,
+            "PASS_TO_PASS": task.PASS_TO_PASS,
+        },
+    }
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-I",
+        "-m",
+        "legorl.verify.specs",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(json.dumps(request).encode()), wall_s)
+    except TimeoutError:
+        return {}, f"log parser {parser}: over {wall_s:g} s of wall time"
+    finally:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+    code = proc.returncode
+    if code in (-24, -9, 128 + 24):  # SIGXCPU at the soft limit, SIGKILL at the hard one
+        return {}, f"log parser {parser}: over its {cpu_s} s of CPU time"
+    if code == 3:
+        return {}, f"log parser {parser}: over its {memory >> 20} MiB of memory"
+    tail = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {code}"]
+    if code != 0:
+        return {}, f"log parser {parser} failed: {tail[0][:300]}"
+    try:
+        parsed = json.loads(out)
+    except ValueError:
+        return {}, f"log parser {parser}: an unreadable answer"
+    if not isinstance(parsed, dict):
+        return {}, f"log parser {parser}: an unreadable answer"
+    return {str(k): str(v) for k, v in parsed.items()}, None
+
+
+def _parse_child() -> int:
+    """The child of ``parse_capped``: the request on stdin, the statuses as JSON on stdout;
+    exit 3 when the parser ran out of memory."""
+    import resource
+
+    request = json.load(sys.stdin)
+    parse = swebench_parser(request["parser"])
+    from swebench.types import TestSpec
+
+    spec = TestSpec(image="", eval_script_list=[], log_parser=request["parser"], **request["task"])
+    # The caps start now: the interpreter and the parser's imports are not the log's doing.
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = int(used.ru_utime + used.ru_stime) + 1 + int(request["cpu_s"])
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 2))
+    memory = int(request["memory"])
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    try:
+        result = {str(k): str(v) for k, v in parse(request["text"], spec).items()}
+    except MemoryError:
+        return 3
+    sys.stdout.write(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_parse_child())

@@ -38,6 +38,8 @@ GIT_DIR = f"{GRADE_DIR}/git"  # grading's working copy of the pristine .git
 ORIG_GIT = f"{GRADE_DIR}/orig.git"  # the pristine .git, only ever compared with
 PROBE = f"{GRADE_DIR}/tree_probe.py"
 SNAPSHOT = f"{GRADE_DIR}/judged.tar"
+#: The most of a probe's result file grading reads (its listing and the judged tree's patch).
+PROBE_LIMIT = 64 << 20
 
 #: Files the interpreter or pytest runs by their name alone, wherever they are.
 RUNNER_FILES = {"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "noxfile.py"}
@@ -78,9 +80,60 @@ async def _sh(sandbox: Sandbox, argv: list[str], what: str, timeout: float = 120
     return result.output
 
 
-async def prepare(sandbox: Sandbox, files: dict[str, str]) -> None:
+#: Written into grading's git dir, whose ``info/attributes`` outranks every ``.gitattributes``
+#: in the tree: each attribute git consults is declared unspecified for every path, the state
+#: of a repository with no attribute files at all. A tree's file (or macro) cannot set what a
+#: higher-ranked file already determined, so no filter, encoding, eol, ident, diff or merge
+#: driver of the patch's choosing reaches grading's apply, checkout, refresh or diff.
+NO_ATTRIBUTES = (
+    "* "
+    + " ".join(
+        f"!{name}"
+        for name in (
+            "text",
+            "crlf",
+            "eol",
+            "ident",
+            "filter",
+            "working-tree-encoding",
+            "encoding",
+            "diff",
+            "merge",
+            "conflict-marker-size",
+            "whitespace",
+            "export-ignore",
+            "export-subst",
+            "delta",
+            "binary",
+        )
+    )
+    + "\n"
+)
+#: Grading's git dir keeps none of the repository's configuration: only the format version
+#: and the extensions its objects need to be read.
+_BARE_CONFIG = (
+    'g={git}; v=$(git config --file "$g/config.orig" core.repositoryformatversion || echo 0); '
+    'printf "[core]\\n\\trepositoryformatversion = %s\\n\\tbare = false\\n" "$v" '
+    '> "$g/config" && git config --file "$g/config.orig" --get-regexp "^extensions\\." | '
+    'while read -r k val; do git config --file "$g/config" "$k" "$val" || exit 1; done'
+)
+
+
+def _neutral_git_dir(git_dir: str) -> str:
+    """Shell that strips ``git_dir`` of the repository's configuration and attributes."""
+    return (
+        f"mv {git_dir}/config {git_dir}/config.orig && "
+        f"({_BARE_CONFIG.format(git=git_dir)}) && rm -f {git_dir}/config.orig && "
+        f"mkdir -p {git_dir}/info && printf '%s' {shlex.quote(NO_ATTRIBUTES)} "
+        f"> {git_dir}/info/attributes"
+    )
+
+
+async def prepare(sandbox: Sandbox, files: dict[str, str], *, neutral_git: bool = True) -> None:
     """The grading folder with the probe and ``files`` (name: text), and two copies of the
-    pristine .git taken before any patch, in one command."""
+    pristine .git taken before any patch, in one command; grading's copy stripped of the
+    repository's configuration and of every attribute (``NO_ATTRIBUTES``) unless
+    ``neutral_git`` is off (a control)."""
     import io
     import tarfile
 
@@ -99,6 +152,8 @@ async def prepare(sandbox: Sandbox, files: dict[str, str]) -> None:
         f"mkdir -p {GRADE_DIR} && tar -x -C {GRADE_DIR} -f - && "
         f"cp -a {wd}/.git {GIT_DIR} && cp -a {wd}/.git {ORIG_GIT}"
     )
+    if neutral_git:
+        script += " && " + _neutral_git_dir(GIT_DIR)
     result = await sandbox.exec(["sh", "-c", script], timeout=120, stdin=buf.getvalue())
     if result.exit_code != 0:
         raise SandboxError(f"grading: preparing the grading folder failed: {result.output[-300:]}")
@@ -120,14 +175,18 @@ async def probe(sandbox: Sandbox, mode: str, python: str = "python3", **req: Any
         out = json.loads(run.output.strip().splitlines()[-1])
     except (ValueError, IndexError):
         try:
-            out = json.loads(await sandbox.read_file(f"{name}.out"))
-        except (FileNotFoundError, SandboxError, ValueError):
+            out = json.loads(await sandbox.read_file(f"{name}.out", limit=PROBE_LIMIT))
+        except (OSError, SandboxError, ValueError):
             why = run.output[-300:]
             raise SandboxError(f"grading: the tree probe ({mode}) failed: {why}") from None
     if "error" in out:
         raise SandboxError(f"grading: the tree probe ({mode}) failed: {out['error']}")
     if mode == "diff" and "patch" not in out:
-        out["patch"] = (await sandbox.read_file(f"{name}.out.patch")).decode("utf-8", "replace")
+        try:
+            patch = await sandbox.read_file(f"{name}.out.patch", limit=PROBE_LIMIT)
+        except OSError as exc:
+            raise SandboxError(f"grading: the judged tree's patch: {exc}") from None
+        out["patch"] = patch.decode("utf-8", "replace")
     return out
 
 
@@ -330,7 +389,11 @@ async def apply_model_patch(
             judged.refused, judged.error = refused
             judged.method = None
             return judged
-    await prepare(sandbox, {"model.patch": patch, "test.patch": task.test_patch})
+    await prepare(
+        sandbox,
+        {"model.patch": patch, "test.patch": task.test_patch},
+        neutral_git="neutral_git" not in defences_off,
+    )
     if patch.strip():
         path = f"{GRADE_DIR}/model.patch"
         if strict:
