@@ -246,8 +246,33 @@ async def grade(
     run_id: str,
     turns: list[Turn],
     config: VerifyConfig,
+    controls: Controls | None = None,
 ) -> Trajectory:
-    """Grade one trajectory; environment failures of grading give reward null, never 0."""
+    """Grade one trajectory. A null reward stands only when the task's control gradings fail
+    in the same environment too (the gold record's runs, and the empty patch, `control.py`);
+    a failure of grading the patch can cause is its 0. ``controls``: the batch's (verify)."""
+
+    async def once(t: Trajectory, ts: list[Turn]) -> Trajectory:
+        return await _grade_once(
+            t, task, backend=backend, tasks_dir=tasks_dir, run_id=run_id, turns=ts, config=config
+        )
+
+    return await graded_or_control(
+        traj, task, turns=turns, grade=once, controls=controls or Controls()
+    )
+
+
+async def _grade_once(
+    traj: Trajectory,
+    task: Task,
+    *,
+    backend: SandboxBackend,
+    tasks_dir: str,
+    run_id: str,
+    turns: list[Turn],
+    config: VerifyConfig,
+) -> Trajectory:
+    """One grading of one trajectory, null when it could not be made."""
     flags = set(flags_from_turns(turns))
     verdict: dict[str, Any] = {"resolved": False}
     t0 = time.monotonic()
@@ -367,18 +392,6 @@ async def verify(
     gate = asyncio.Semaphore(max(1, concurrency))
     controls = Controls()
 
-    async def grade_one(traj: Trajectory, turns: list[Turn]) -> Trajectory:
-        task = tasks[traj.task_id]
-        return await grade(
-            traj,
-            task,
-            backend=backend,
-            tasks_dir=tasks_dir,
-            run_id=run_id,
-            turns=turns,
-            config=config,
-        )
-
     async def one(traj: Trajectory) -> Trajectory:
         if traj.status in ENVIRONMENT_FAILURES:
             return replace(
@@ -395,8 +408,15 @@ async def verify(
             why = f"its turns could not be read: {type(exc).__name__}: {str(exc)[:300]}"
             return replace(traj, reward=None, verdict={"resolved": None, "reason": why})
         async with gate:
-            return await graded_or_control(
-                traj, task, turns=turns, grade=grade_one, controls=controls
+            return await grade(
+                traj,
+                task,
+                backend=backend,
+                tasks_dir=tasks_dir,
+                run_id=run_id,
+                turns=turns,
+                config=config,
+                controls=controls,
             )
 
     futures = [asyncio.ensure_future(one(t)) for t in trajectories]
