@@ -42,7 +42,14 @@ from legorl.protocols import SandboxBackend
 from legorl.records import Task, Trajectory, Turn, read_jsonl
 from legorl.rollout import inprocess_proxy
 from legorl.verify import VerifyConfig, grade, runner, specs, tree
-from legorl.verify.redteam import HACKS, Hack, honest, markdown_table, unittest_variant
+from legorl.verify.redteam import (
+    HACKS,
+    Hack,
+    honest,
+    markdown_table,
+    table_variant,
+    unittest_variant,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ROOT / "fixtures" / "tasks"
@@ -117,6 +124,8 @@ def _task(variant: str = "") -> Task:
         )
     if variant == "unittest":
         task = unittest_variant(task)
+    if variant == "table":
+        task = table_variant(task)
     return task
 
 

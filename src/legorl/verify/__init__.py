@@ -179,6 +179,7 @@ async def gold_record(
     """The task's gold record (`gold.py`), recorded in two judged runs when not cached."""
     grader = resolve(task)
     required = task.FAIL_TO_PASS + task.PASS_TO_PASS
+    no_tables = frozenset({"*"}) if "held_tables" in config.defences_off else frozenset()
 
     async def record_run(
         inproc: set[str],
@@ -188,7 +189,11 @@ async def gold_record(
     ) -> GoldRun:
         def plan_for(found: dict[str, str]) -> assertions.Plan:
             return assertions.plan_files(
-                required, sources or found, **framing(grader), inproc=inproc, untabled=untabled
+                required,
+                sources or found,
+                **framing(grader),
+                inproc=inproc,
+                untabled=untabled | no_tables,
             )
 
         run = await _judged_run(
@@ -234,7 +239,7 @@ async def gold_record(
             )
         return GoldRun(ok=True, sources=run.sources, records=found)
 
-    return await gold_store(config, backend).get(task, record_run)
+    return await gold_store(config, backend).get(task, record_run, config.defences_off)
 
 
 async def grade(
@@ -257,6 +262,8 @@ async def grade(
             t, task, backend=backend, tasks_dir=tasks_dir, run_id=run_id, turns=ts, config=config
         )
 
+    if "null_on_proof" in config.defences_off:
+        return await once(traj, turns)
     return await graded_or_control(
         traj, task, turns=turns, grade=once, controls=controls or Controls()
     )
@@ -306,7 +313,8 @@ async def _grade_once(
             record.sources,
             **framing(grader),
             inproc=set(record.inproc),
-            untabled=frozenset(record.untabled),
+            untabled=frozenset(record.untabled)
+            | (frozenset({"*"}) if "held_tables" in config.defences_off else frozenset()),
         )
 
     run = await _judged_run(

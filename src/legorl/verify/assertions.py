@@ -423,7 +423,8 @@ class _Rewriter(ast.NodeTransformer):
     def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> Any:
         saved = self.held_names
         self.held_names = _held_locals(node, self.bound, self.approx)
-        if f"{self.path}::{'.'.join([*self.classes, node.name])}" not in self.untabled:
+        name = f"{self.path}::{'.'.join([*self.classes, node.name])}"
+        if "*" not in self.untabled and name not in self.untabled:
             # (``untabled`` also names single rows, by their handle's key)
             self._hold_tables(node)
         self.depth += 1
@@ -1164,8 +1165,16 @@ class Judgement:
 
 
 def judge_test(
-    key: str, run: dict[str, TestEvents], plan: Plan, gold: Gold, covered: bool
+    key: str,
+    run: dict[str, TestEvents],
+    plan: Plan,
+    gold: Gold,
+    covered: bool,
+    *,
+    own_verdicts: bool = False,
 ) -> Judgement:
+    """One test's events against the gold record. ``own_verdicts``: a control only (the
+    judged process's own verdict taken at any site)."""
     entry = run.get(key)
     if entry is None or not entry.began:
         return Judgement("missing", detail="the test's body never ran")
@@ -1194,7 +1203,11 @@ def judge_test(
             # A verdict the judged process made itself counts only where the plan asked for
             # one (an in-process site) or, at a site of the judge's, where the gold run's
             # operands at this very event were not plain data either.
-            if site.mode == "judge" and not (event.adaptive and gold.in_process(key, index)):
+            if (
+                site.mode == "judge"
+                and not own_verdicts
+                and not (event.adaptive and gold.in_process(key, index))
+            ):
                 return Judgement(
                     "failed", detail=f"{site.id}: no plain data where the gold run's was"
                 )

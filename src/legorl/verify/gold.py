@@ -29,6 +29,8 @@ from legorl.records import Task
 from legorl.verify import assertions
 
 HERE = Path(__file__).resolve().parent
+#: The grading switches (`runner.DEFENCES`) that change what the gold record's runs are.
+PLAN_SWITCHES = frozenset({"held_tables"})
 _GRADER_FILES = ("assertions.py", "operands.py", "bootstrap.py", "runner.py", "gold.py", "tree.py")
 
 
@@ -71,7 +73,7 @@ def grader_version() -> str:
     return digest.hexdigest()[:16]
 
 
-def task_key(task: Task, backend: str) -> str:
+def task_key(task: Task, backend: str, off: frozenset[str] = frozenset()) -> str:
     fields = {
         "id": task.instance_id,
         "patch": task.patch,
@@ -84,6 +86,7 @@ def task_key(task: Task, backend: str) -> str:
         "base": task.base_commit,
         "grader": grader_version(),
         "backend": backend,
+        "off": sorted(off & PLAN_SWITCHES),  # a control's switch that changes the plan
     }
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -122,12 +125,10 @@ class GoldStore:
         os.replace(tmp, self._path(key))
 
     async def get(
-        self,
-        task: Task,
-        record_run: Recorder,
+        self, task: Task, record_run: Recorder, off: frozenset[str] = frozenset()
     ) -> GoldRecord:
         """The task's gold record, recorded with ``record_run(inproc, sources)`` when missing."""
-        key = task_key(task, self.backend)
+        key = task_key(task, self.backend, off)
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
             found = self._memory.get(key) or self._load(key)

@@ -12,6 +12,10 @@ run's assertions send operands out instead of comparing them.
 
 Defences, each switched off for a control by naming it in ``VerifyConfig.defences_off``:
 ``judge_assertions`` (off: the tests run as written and the in-process outcomes alone decide),
+``own_verdicts`` (off: the judge takes the judged process's own verdict at any site),
+``held_tables`` (off: a table-driven test's expected column stays in the file), ``judged_user``
+(off: the tests run as root, who can read grading's folder), ``null_on_proof`` (off: a grading
+failure is null without a control grading, `control.py`),
 ``isolated_runner`` (off: ``python -m pytest -p legorl_pytest_report`` from the repository root,
 the plugin looked up by name), ``integrity`` (the guard's ``tampered`` records), ``exit_code``
 (the sandbox's real exit code against the outcomes and the signed finish), ``audit_pytest`` (the
@@ -40,6 +44,10 @@ HERE = Path(__file__).resolve().parent
 DEFENCES = frozenset(
     {
         "judge_assertions",
+        "own_verdicts",
+        "held_tables",
+        "judged_user",
+        "null_on_proof",
         "isolated_runner",
         "integrity",
         "exit_code",
@@ -186,12 +194,13 @@ async def run_tests(
         stdin = (key + "\n").encode()
     command = _test_command(task, grader, off)
     through_bootstrap = shlex.quote(LOADER) in command
-    run = await _judged_exec(
-        sandbox,
+    run = await sandbox.exec(
         ["sh", "-c", command],
         timeout=timeout,
+        cwd=sandbox.workdir,
         env=env,
         stdin=stdin if through_bootstrap or "isolated_runner" in off else None,
+        judged="judged_user" not in off,
     )
     printed = run.output
     if through_bootstrap:
@@ -211,14 +220,6 @@ async def run_tests(
         parsed=parsed,
         events=assertions.by_test(found),
         records=[r for r in found if r.get("event") in ("a", "tb", "te")],
-    )
-
-
-async def _judged_exec(
-    sandbox: Sandbox, argv: list[str], *, timeout: float, env: dict[str, str], stdin: bytes | None
-) -> ExecResult:
-    return await sandbox.exec(
-        argv, timeout=timeout, cwd=sandbox.workdir, env=env, stdin=stdin, judged=True
     )
 
 
@@ -354,7 +355,7 @@ def judge(
         notes["runner_problems"] = problems
         tests = {t: ("untrusted" if o == "passed" else o) for t, o in tests.items()}
     if "judge_assertions" not in off and plan is not None and gold is not None:
-        tests = _judge_assertions(task, test_run, tests, plan, gold, flags, notes)
+        tests = _judge_assertions(task, test_run, tests, plan, gold, flags, notes, off)
     notes.update(
         exit_code=run.exit_code,
         timed_out=run.timed_out,
@@ -372,6 +373,7 @@ def _judge_assertions(
     gold: assertions.Gold,
     flags: set[str],
     notes: dict[str, Any],
+    off: frozenset[str],
 ) -> dict[str, str]:
     """Each required test's assertions, judged here; the in-process outcome must agree."""
     covered = assertions.covered_tests(plan, gold)
@@ -393,7 +395,9 @@ def _judge_assertions(
             out[test] = "unverified"
             continue
         assert key is not None
-        verdict = assertions.judge_test(key, test_run.events, plan, gold, True)
+        verdict = assertions.judge_test(
+            key, test_run.events, plan, gold, True, own_verdicts="own_verdicts" in off
+        )
         counts[group][0] += verdict.judged_out
         counts[group][1] += verdict.judged_out + verdict.judged_in
         if verdict.judged_in:
