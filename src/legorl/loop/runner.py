@@ -390,6 +390,8 @@ class Runner:
                 work.harness_options = stages.harness_options(c, seed=stages.run_seed(c, mine[0]))
                 works.append(work)
         graded, phases = await self._rollout_and_grade(f"iteration {k}", folder, works)
+        order = {r.trajectory_id: i for i, r in enumerate(runs)}  # task by task, as planned
+        graded.sort(key=lambda t: order[t.trajectory_id])
 
         t1 = time.monotonic()
         samples, errors = stages.align_samples(graded, lambda _t: folder)
