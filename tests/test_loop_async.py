@@ -266,3 +266,114 @@ def test_state_json_keeps_the_async_fields(sync_and_k0: tuple[Path, Path, LoopRe
     data = json.loads((k0 / "state.json").read_text())
     assert data["config"]["use_async"] is True and data["config"]["max_staleness"] == 0
     assert data["iterations"][0]["groups"] and "staleness" in data["iterations"][0]
+
+
+# ---- faults ----------------------------------------------------------------------------------
+
+
+def _children() -> list[str]:
+    """This process's live child processes (a sandbox's bubblewrap, a vLLM server), by name."""
+    me, found = os.getpid(), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != "Z":
+            found.append(stat.parent.name)
+    return found
+
+
+def test_a_trainer_crash_stops_the_loop_with_the_reason_and_the_rollouts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from legorl.loop import stages
+    from legorl.loop.state import LoopError
+
+    real = stages.train_samples
+
+    def crash_at_step_2(config: LoopConfig, samples: list, **kw: object) -> object:
+        if kw["step"] == 2:  # a fault inside the trainer, as a real one would raise
+            raise RuntimeError("CUDA error: an illegal memory access")
+        return real(config, samples, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(stages, "train_samples", crash_at_step_2)
+    before = set(_children())
+    config = _config(tmp_path / "run", use_async=True, max_staleness=1, iterations=3, concurrency=2)
+    with pytest.raises(LoopError, match="iteration 2: train: RuntimeError: CUDA error"):
+        run_loop(config)
+    # the rollouts in flight were stopped: no sandbox process is left behind
+    assert set(_children()) <= before
+    # what was written stays: step 1 finished, its checkpoint and the runs' records
+    state = json.loads((tmp_path / "run" / "state.json").read_text())
+    assert state["finished"] == 1 and state["checkpoint"] == "iter-001/checkpoint"
+    assert len(list(read_jsonl(tmp_path / "run" / "iter-001" / "graded.jsonl", Trajectory))) == 4
+
+
+def test_a_killed_async_loop_resumes_without_training_an_episode_twice(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    args = [
+        *("--model", str(MODEL), "--tasks-dir", str(TASKS), "--out", "run"),
+        *("--iterations", "3", "--group-size", "2", "--tasks-per-iteration", "2"),
+        *("--eval-samples", "1", "--eval-limit", "1", "--max-turns", "2", "--max-tokens", "16"),
+        *("--device", "cpu", "--lr", "1e-3", "--concurrency", "2"),
+        *("--async", "--max-staleness", "1", "--seeded-rollouts", *MECHANICS),
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "legorl.cli.main", "loop", *args],
+        cwd=tmp_path,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    out = tmp_path / "run"
+
+    def finished() -> int:
+        try:
+            return int(json.loads((out / "state.json").read_text())["finished"])
+        except (OSError, ValueError, KeyError):
+            return 0
+
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and finished() < 1:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert finished() == 1
+    first = (out / "iter-001" / "samples.jsonl").read_bytes()
+
+    resumed = _cli(*args, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "continuing after iteration 1" in resumed.stderr
+    assert (out / "iter-001" / "samples.jsonl").read_bytes() == first
+    state = json.loads((out / "state.json").read_text())
+    assert state["finished"] == 3
+    # every group of the three batches consumed once, by its ids
+    groups = [g for it in state["iterations"] for g in it["groups"]]
+    assert len(groups) == len(set(groups)) == 6
+    # no run rolled out twice (one finished before the kill is kept), none trained twice
+    for k in (1, 2, 3):
+        ids = [
+            t.trajectory_id for t in read_jsonl(out / f"iter-{k:03d}" / "graded.jsonl", Trajectory)
+        ]
+        assert len(ids) == len(set(ids)) == 4, k
+    trained = [
+        s.episode_id
+        for k in (1, 2, 3)
+        for s in read_jsonl(out / f"iter-{k:03d}" / "samples.jsonl", Sample)
+    ]
+    episodes = sorted(set(trained))
+    dropped = [g for it in state["iterations"] for g in it["dropped"]]
+    # each episode trained in one step only; dropped groups' episodes not at all
+    steps_of = {
+        e: {
+            k
+            for k in (1, 2, 3)
+            for s in read_jsonl(out / f"iter-{k:03d}" / "samples.jsonl", Sample)
+            if s.episode_id == e
+        }
+        for e in episodes
+    }
+    assert all(len(v) == 1 for v in steps_of.values())
+    assert len(episodes) == 12 - 2 * len(dropped)

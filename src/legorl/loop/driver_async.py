@@ -326,18 +326,12 @@ class AsyncRunner(Runner):
                 + (f", {len(dropped)} stale dropped" if dropped else "")
                 + (f", {len(filtered)} filtered" if filtered else "")
             )
-            outcome = await asyncio.to_thread(
-                stages.train_samples,
-                c,
-                samples,
-                step=k,
-                model=self.model_path,
-                folder=folder,
-                out=self.out,
-                signal=signal,
-                monitor=self.monitor,
-                log=self.log,
-            )
+            try:
+                outcome = await asyncio.to_thread(self._train, k, samples, folder, signal)
+            except LoopError:
+                raise
+            except Exception as exc:  # the loop stops with the reason; the rollouts stop too
+                raise LoopError(f"iteration {k}: train: {type(exc).__name__}: {exc}") from exc
             phases["train"] = round(time.monotonic() - t1, 3)
             drain = await self.reload(k, folder, outcome.trained)
             phases["reload"] = round(drain, 3)
@@ -374,6 +368,19 @@ class AsyncRunner(Runner):
                         self._rerun(g)
             self.finish_iteration(result)
             await self._notify()
+
+    def _train(self, k: int, samples: list[Sample], folder: Path, signal: int) -> Any:
+        return stages.train_samples(
+            self.config,
+            samples,
+            step=k,
+            model=self.model_path,
+            folder=folder,
+            out=self.out,
+            signal=signal,
+            monitor=self.monitor,
+            log=self.log,
+        )
 
     def _rerun(self, old: _Group) -> None:
         """A fresh group of ``old``'s task in its slot (the slot stays taken)."""
