@@ -377,3 +377,46 @@ def test_a_killed_async_loop_resumes_without_training_an_episode_twice(tmp_path:
     }
     assert all(len(v) == 1 for v in steps_of.values())
     assert len(episodes) == 12 - 2 * len(dropped)
+
+
+def test_inspect_shows_the_async_metrics(sync_and_k0: tuple[Path, Path, LoopResult]) -> None:
+    _, k0, _ = sync_and_k0
+    shown = subprocess.run(
+        [sys.executable, "-m", "legorl.cli.main", "inspect", "--summary", str(k0)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    for name in ("staleness_0", "filtered_groups", "drain_seconds", "engine_busy_fraction"):
+        assert name in shown.stdout, (name, shown.stdout[:3000])
+
+
+def test_an_engine_that_dies_fails_its_episodes_and_stops_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+    import time
+
+    from legorl.loop.driver_async import AsyncRunner
+    from legorl.loop.state import LoopError
+
+    real = AsyncRunner._train
+
+    def dying(self: AsyncRunner, k: int, samples: list, folder: Path, signal: int) -> object:
+        if k == 1:  # the engine dies while step 1 trains, with batch 2's episodes in flight
+            done = asyncio.run_coroutine_threadsafe(self.core.engine.close(), self.event_loop)
+            done.result(timeout=60)
+            time.sleep(3)
+        return real(self, k, samples, folder, signal)
+
+    monkeypatch.setattr(AsyncRunner, "_train", dying)
+    before = set(_children())
+    # one run at a time, 8 a batch: batch 2 still has runs to start when the engine dies
+    config = _config(tmp_path / "run", use_async=True, max_staleness=1, iterations=3, group_size=4)
+    with pytest.raises(LoopError, match="iteration 1: weight sync: engine is closed"):
+        run_loop(config)
+    assert set(_children()) <= before
+    trajs = list(read_jsonl(tmp_path / "run" / "iter-002" / "trajectories.jsonl", Trajectory))
+    assert "proxy_error" in {t.status for t in trajs}, [(t.status, t.evidence) for t in trajs]

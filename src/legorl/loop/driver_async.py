@@ -7,15 +7,17 @@ go to ``iter-{b:03d}/``, as the synchronous loop's. A group is admitted only whi
 ``(max_staleness + steps done + 1) · batch_groups`` groups hold a slot; its runs then start as
 ``--concurrency`` allows, each graded as soon as it ends, the group aligned once whole. The
 trainer steps (in a thread: the event loop, and so the rollouts, run on) whenever it holds
-``batch_groups`` resolved groups, taken in admission order; the new weights go to the engine
+``batch_groups`` resolved groups, taken in admission order, and every group admitted
+``max_staleness`` or more steps before is among them (the step waits for such a group rather
+than let later ones overtake it and train it too old); the new weights go to the engine
 while other episodes run (the engine lets calls in flight finish under the old weights: the
 drain). Step k writes ``iter-{k:03d}/`` samples, metrics and checkpoint, as the sync loop does.
 
 With ``max_staleness`` 0 nothing is admitted while the trainer trains, and the trainer takes
 exactly batch k at step k: the synchronous loop's work in the synchronous loop's order.
 
-A group whose samples are older than the bound when its turn comes (it finished late; a
-resume) is dropped and counted (``--on-stale rerun``: its task is rolled out again in its
+A group whose samples are older than the bound when its turn comes (kept from before a
+resume; a rerun) is dropped and counted (``--on-stale rerun``: its task is rolled out again in its
 slot). Groups whose rewards are all equal carry no gradient: with the trainer's
 ``drop_zero_variance_groups`` (its default) they are filtered when they resolve, counted, and
 either take their batch slot empty or, with ``refill_filtered``, free it for another group.
@@ -68,6 +70,7 @@ class _Group:
     batch: int  # the batch it was drawn for: its folder and id prefix
     task: Any
     prefix: str
+    admit_step: int = 0  # trainer steps done when it was admitted
     graded: list[Trajectory] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
     filtered: bool = False
@@ -133,6 +136,7 @@ class AsyncRunner(Runner):
 
     async def train_iterations(self) -> None:
         c, state = self.config, self.state
+        self.event_loop = asyncio.get_running_loop()
         self.steps = state.finished
         consumed: set[str] = set()
         for it in state.iterations:
@@ -172,7 +176,11 @@ class AsyncRunner(Runner):
             batch, task = self._draw(self.next_draw)
             self.next_draw += 1
             group = _Group(
-                index=self.next_index, batch=batch, task=task, prefix=stages.group_prefix(batch)
+                index=self.next_index,
+                batch=batch,
+                task=task,
+                prefix=stages.group_prefix(batch),
+                admit_step=self.steps,
             )
             if group.key in self.consumed:  # trained (or dropped) before a resume
                 continue
@@ -254,6 +262,11 @@ class AsyncRunner(Runner):
         """The next step's groups in admission order, once it holds a batch (or once nothing
         more can come)."""
         c = self.config
+        # A group admitted K or more steps ago must be in this step, or it would be trained
+        # older than K: the step waits for it rather than let later groups overtake it.
+        due = self.steps - c.max_staleness
+        if any(not g.resolved and g.admit_step <= due for g in self.groups.values()):
+            return None
         resolved = sorted((g for g in self.groups.values() if g.resolved), key=lambda g: g.index)
         taken: list[_Group] = []
         for g in resolved:
@@ -369,19 +382,6 @@ class AsyncRunner(Runner):
             self.finish_iteration(result)
             await self._notify()
 
-    def _train(self, k: int, samples: list[Sample], folder: Path, signal: int) -> Any:
-        return stages.train_samples(
-            self.config,
-            samples,
-            step=k,
-            model=self.model_path,
-            folder=folder,
-            out=self.out,
-            signal=signal,
-            monitor=self.monitor,
-            log=self.log,
-        )
-
     def _rerun(self, old: _Group) -> None:
         """A fresh group of ``old``'s task in its slot (the slot stays taken)."""
         n = 1
@@ -392,6 +392,7 @@ class AsyncRunner(Runner):
             batch=old.batch,
             task=old.task,
             prefix=f"{old.prefix[:-1]}r{n}-",
+            admit_step=self.steps,
         )
         self.consumed.add(group.key)
         self.next_index += 1

@@ -330,6 +330,20 @@ class Runner:
             f"{result.crashes} environment failure(s)) in {result.seconds:.1f}s"
         )
 
+    def _train(self, k: int, samples: list[Any], folder: Path, signal: int) -> Any:
+        """Step ``k``'s training (blocking); see ``stages.train_samples``."""
+        return stages.train_samples(
+            self.config,
+            samples,
+            step=k,
+            model=self.model_path,
+            folder=folder,
+            out=self.out,
+            signal=signal,
+            monitor=self.monitor,
+            log=self.log,
+        )
+
     # ---- weights -----------------------------------------------------------------------------
 
     async def reload(self, k: int, folder: Path, trained: bool) -> float:
@@ -338,7 +352,12 @@ class Runner:
         t0 = time.monotonic()
         ckpt = folder / "checkpoint"
         if trained:
-            version = await self.core.load_weights(str(ckpt.resolve()))
+            from legorl.protocols import EngineError
+
+            try:
+                version = await self.core.load_weights(str(ckpt.resolve()))
+            except (EngineError, NotImplementedError) as exc:
+                raise LoopError(f"iteration {k}: weight sync: {exc}") from None
             self.state.checkpoint = str(ckpt.relative_to(self.out))
             self.state.policy_version = version
             self.log(f"iteration {k}: weights reloaded into the proxy: policy version {version}")
@@ -402,17 +421,7 @@ class Runner:
 
         t2 = time.monotonic()
         signal = stages.groups_with_signal(graded)
-        outcome = stages.train_samples(
-            c,
-            samples,
-            step=k,
-            model=self.model_path,
-            folder=folder,
-            out=self.out,
-            signal=signal,
-            monitor=self.monitor,
-            log=self.log,
-        )
+        outcome = self._train(k, samples, folder, signal)
         phases["train"] = round(time.monotonic() - t2, 3)
         drain = await self.reload(k, folder, outcome.trained)
         phases["reload"] = round(drain, 3)
