@@ -101,6 +101,12 @@ def _harness_shapes(args: argparse.Namespace) -> dict[str, Any]:
     return bench_harness_shapes(quick=args.quick)
 
 
+def _loop_async(args: argparse.Namespace) -> dict[str, Any]:
+    from legorl.bench.loop_async import bench_loop_async
+
+    return bench_loop_async(quick=args.quick)
+
+
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "records_io": _records_io,
     "proxy": _proxy,
@@ -115,6 +121,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "realsuite": _realsuite,
     "train": _train,
     "vllm": _vllm,
+    "async": _loop_async,
 }
 
 
