@@ -104,6 +104,7 @@ def rollout(
         serve_engine,
     )
     from legorl.sandbox import make_backend
+    from legorl.sandbox.runtime import PreflightError, harness_preflight
     from legorl.tasks import TaskError, load_tasks
 
     try:
@@ -130,6 +131,10 @@ def rollout(
         backend = make_backend(sandbox)
     except (ValueError, TypeError, SandboxError) as exc:
         fail("rollout", str(exc), 2)
+    try:  # before any engine or sandbox starts: a missing harness fails every run alike
+        harness_preflight(agent, backend.name)
+    except PreflightError as exc:
+        fail("rollout", str(exc))
     turns = (
         proxy_turns or turns_dir or (out.with_name(out.name + ".turns") if out else Path("turns"))
     )
