@@ -11,9 +11,9 @@ Several processes, one copy of the loop each (CPU: gloo; GPU: NCCL, or FSDP with
 (On a machine without CUDA, ``--multi_gpu`` only selects torchrun's launcher; the processes find
 no GPU and join a gloo group on the CPU.) Several machines: ``--num_machines``, one launch per
 machine (``legorl.train.distributed``). Rank 0 reads the samples and sends them to the other
-ranks, which make the same plan; each runs its share of the micro-batches, and gradients are averaged across processes.
-Each process's loss is scaled so that the average equals the one-process loss over the whole
-step, so N processes give the same update as one (tested).
+ranks, which make the same plan; each runs its share of the micro-batches, and gradients are
+averaged across processes. Each process's loss is scaled so that the average equals the
+one-process loss over the whole step, so N processes give the same update as one (tested).
 
 One call, top to bottom: read and check samples → advantages per group → per step: pack the
 step's episodes into micro-batches → π_old (no grad) → log π_θ → loss → backward → clip → step
