@@ -12,6 +12,38 @@ from rich.console import Console
 
 from legorl.records import JsonlReader, R, RecordError, read_jsonl
 
+
+def choices(kind: str) -> str:
+    """The names a flag takes, as its help lists them: read from the registry of ``kind``
+    (harness, engine, sandbox, algorithm, task_format), so the help says what exists."""
+    names: list[str]
+    if kind == "harness":
+        from legorl.harnesses import HARNESSES
+
+        names = list(HARNESSES)
+    elif kind == "engine":
+        from legorl.engines import ENGINES
+
+        names = list(ENGINES)
+    elif kind == "sandbox":
+        from legorl.sandbox import SANDBOXES
+
+        names = list(SANDBOXES)
+    elif kind == "algorithm":
+        from typing import get_args
+
+        from legorl.train.config import Algorithm
+
+        names = list(get_args(Algorithm))
+    elif kind == "task_format":
+        from legorl.tasks import FORMATS
+
+        names = [*FORMATS, "legorl"]
+    else:
+        raise ValueError(f"no registry of {kind!r}")
+    return " | ".join(names)
+
+
 #: Human-facing output only; stdout carries records.
 console = Console(stderr=True, highlight=False)
 
@@ -27,7 +59,7 @@ TaskFormat = Annotated[
     str | None,
     typer.Option(
         "--task-format",
-        help="Task set the rows come from: swebench | swegym | swesmith | r2egym | legorl "
+        help=f"Task set the rows come from: {choices('task_format')} "
         "(default: detected from the columns).",
     ),
 ]

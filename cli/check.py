@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import typer
 
-from ._common import TaskFormat, console, fail
+from ._common import TaskFormat, choices, console, fail
 
 HELP = "Preflight validation of a run: model, template, engine, proxy, sandbox, tasks."
 
@@ -42,7 +42,7 @@ def check(
     ] = None,
     model: Annotated[Path | None, typer.Option("--model", "-m", help="Model folder.")] = None,
     engine: Annotated[
-        str | None, typer.Option(help="embedded | forced | vllm (default embedded).")
+        str | None, typer.Option(help=f"{choices('engine')} (default embedded).")
     ] = None,
     engine_opt: Annotated[
         list[str] | None,
@@ -64,7 +64,7 @@ def check(
     ] = None,
     task_format: TaskFormat = None,
     sandbox: Annotated[
-        str | None, typer.Option(help="local | docker | none (default local).")
+        str | None, typer.Option(help=f"{choices('sandbox')} | none (default local).")
     ] = None,
     docker_host: Annotated[str | None, typer.Option(help="Docker daemon URL.")] = None,
     image: Annotated[

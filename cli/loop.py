@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
-from legorl.loop_config import LOOP_LR, LOOP_LR_ALL, LOOP_LR_SCALE, LoopConfig
+from legorl.loop_config import LOOP_ENGINES, LOOP_LR, LOOP_LR_ALL, LOOP_LR_SCALE, LoopConfig
 
-from ._common import ReportTo, TaskFormat, console, fail, key_values
+from ._common import ReportTo, TaskFormat, choices, console, fail, key_values
 
 if TYPE_CHECKING:
     from legorl.loop import LoopResult
@@ -69,7 +69,7 @@ def loop(
     eval_limit: Annotated[
         int | None, typer.Option(help="Only the first N held-out tasks (default: all).")
     ] = _D.eval_limit,
-    sandbox: Annotated[str, typer.Option(help="local | docker")] = _D.sandbox,
+    sandbox: Annotated[str, typer.Option(help=choices("sandbox"))] = _D.sandbox,
     concurrency: Annotated[
         int, typer.Option("--concurrency", "-c", help="Runs and gradings at once.")
     ] = _D.concurrency,
@@ -116,17 +116,56 @@ def loop(
         ),
     ] = _D.scale_only,
     algorithm: Annotated[
-        str | None, typer.Option(help="gspo | grpo | drgrpo (default: the trainer's).")
+        str | None, typer.Option(help=f"{choices('algorithm')} (default: the trainer's).")
     ] = _D.algorithm,
     timeout: Annotated[float, typer.Option(help="Seconds per harness run.")] = _D.timeout,
     device: Annotated[str, typer.Option(help="Engine device: auto, cpu, cuda, …")] = _D.device,
     engine: Annotated[
-        str, typer.Option(help="embedded | vllm (launched by legorl, or --engine-opt base_url=…).")
+        str,
+        typer.Option(
+            help=f"{' | '.join(LOOP_ENGINES)} (vllm: launched by legorl, or --engine-opt "
+            "base_url=…)."
+        ),
     ] = _D.engine,
     engine_opt: Annotated[
         list[str] | None,
         typer.Option("--engine-opt", help="vllm engine KEY=VALUE, e.g. dtype=bfloat16."),
     ] = None,
+    use_async: Annotated[
+        bool,
+        typer.Option(
+            "--async/--sync",
+            help="Rollouts run on while the trainer trains, within --max-staleness; --sync: "
+            "each iteration waits for the one before.",
+        ),
+    ] = _D.use_async,
+    max_staleness: Annotated[
+        int,
+        typer.Option(
+            help="With --async: the most policy versions a trained sample may be behind (0: the "
+            "synchronous loop's order); a group is admitted only while (K + steps + 1) · "
+            "batch groups have not been."
+        ),
+    ] = _D.max_staleness,
+    batch_groups: Annotated[
+        int | None,
+        typer.Option(help="Whole groups per trainer step (default: --tasks-per-iteration)."),
+    ] = _D.batch_groups,
+    on_stale: Annotated[
+        str,
+        typer.Option(help="A group older than the bound when trained: drop | rerun (its task)."),
+    ] = _D.on_stale,
+    refill_filtered: Annotated[
+        bool,
+        typer.Option(
+            help="With --async: a group filtered for equal rewards frees its batch slot for "
+            "another (default: it takes its slot, empty)."
+        ),
+    ] = _D.refill_filtered,
+    seeded_rollouts: Annotated[
+        bool,
+        typer.Option(help="Training runs sample with seeds from SEED, iteration and sample."),
+    ] = _D.seeded_rollouts,
     report_to: ReportTo = None,
 ) -> None:
     """Rollout → verify → align → train, ITERATIONS times, with held-out evaluation."""
@@ -159,6 +198,12 @@ def loop(
         device=device,
         engine=engine,
         engine_options=key_values("loop", "--engine-opt", engine_opt),
+        use_async=use_async,
+        max_staleness=max_staleness,
+        batch_groups=batch_groups,
+        on_stale=on_stale,
+        refill_filtered=refill_filtered,
+        seeded_rollouts=seeded_rollouts,
     )
     try:
         config.validate()
@@ -236,7 +281,8 @@ def _bad(exc: object) -> NoReturn:
     assert isinstance(exc, LoopConfigError)
     if exc.field == "train":  # the message names the key=value override or the flag
         fail("loop", exc.problem, 2)
-    fail("loop", f"--{exc.field.replace('_', '-')}: {exc.problem}", 2)
+    flag = {"use_async": "async"}.get(exc.field, exc.field)
+    fail("loop", f"--{flag.replace('_', '-')}: {exc.problem}", 2)
 
 
 def _pct(x: float | None) -> str:

@@ -21,6 +21,7 @@ from ._common import (
     MaxEpisodeTokens,
     MaxEpisodeTurns,
     budget,
+    choices,
     console,
     engine_log_beside,
     fail,
@@ -34,7 +35,7 @@ app = typer.Typer(help=HELP, no_args_is_help=True, add_completion=False)
 Model = Annotated[
     Path, typer.Option("--model", "-m", help="Model folder (weights, tokenizer, template).")
 ]
-EngineName = Annotated[str, typer.Option("--engine", "-e", help="embedded | forced | vllm")]
+EngineName = Annotated[str, typer.Option("--engine", "-e", help=choices("engine"))]
 EngineOpts = Annotated[
     list[str] | None,
     typer.Option(

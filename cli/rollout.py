@@ -22,6 +22,7 @@ from ._common import (
     MaxEpisodeTurns,
     TaskFormat,
     budget,
+    choices,
     console,
     fail,
     key_values,
@@ -39,9 +40,7 @@ def rollout(
         ),
     ],
     task_format: TaskFormat = None,
-    harness: Annotated[
-        str, typer.Option(help="mini | claude-code | opencode | openhands-sdk")
-    ] = "mini",
+    harness: Annotated[str, typer.Option(help=choices("harness"))] = "mini",
     group_size: Annotated[int, typer.Option("--group-size", "-g", help="Samples per task.")] = 1,
     concurrency: Annotated[int, typer.Option("--concurrency", "-c", help="Runs at once.")] = 1,
     limit: Annotated[int | None, typer.Option(help="Only the first N tasks.")] = None,
@@ -49,7 +48,7 @@ def rollout(
         Path | None, typer.Option("--model", "-m", help="Model folder for the in-process proxy.")
     ] = None,
     engine: Annotated[
-        str, typer.Option(help="embedded | forced | vllm (in-process proxy).")
+        str, typer.Option(help=f"{choices('engine')} (in-process proxy).")
     ] = "embedded",
     engine_opt: Annotated[
         list[str] | None, typer.Option("--engine-opt", help="Engine KEY=VALUE.")
@@ -67,7 +66,7 @@ def rollout(
         str | None,
         typer.Option(help="With --proxy: its admin token (default: $LEGORL_ADMIN_TOKEN)."),
     ] = None,
-    sandbox: Annotated[str, typer.Option(help="docker | local")] = "local",
+    sandbox: Annotated[str, typer.Option(help=choices("sandbox"))] = "local",
     harness_opt: Annotated[
         list[str] | None, typer.Option("--harness-opt", help="Harness KEY=VALUE, e.g. max_turns=8.")
     ] = None,

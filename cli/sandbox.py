@@ -18,13 +18,15 @@ from typing import Annotated, Any
 
 import typer
 
-from ._common import TaskFormat, console, fail
+from ._common import TaskFormat, choices, console, fail
 
 HELP = "Build, list and clean the layered sandbox image cache; run a command in a sandbox."
 
 app = typer.Typer(help=HELP, no_args_is_help=True, add_completion=False)
 
-Backend = Annotated[str, typer.Option("--backend", "-b", help="docker | local (bubblewrap).")]
+Backend = Annotated[
+    str, typer.Option("--backend", "-b", help=f"{choices('sandbox')} (local: bubblewrap).")
+]
 TasksOpt = Annotated[
     list[Path],
     typer.Option(

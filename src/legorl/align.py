@@ -198,6 +198,8 @@ class _Open:
     loss_mask: list[int] = field(default_factory=list)  # [T]
     logprobs: list[float] = field(default_factory=list)  # [sum(loss_mask)]
     mixed_policy: bool = False
+    span_versions: list[int] = field(default_factory=list)  # per completion span
+    span_lengths: list[int] = field(default_factory=list)
 
 
 def _add_completion(traj_id: str, turn: Turn, open_: _Open) -> None:
@@ -217,6 +219,8 @@ def _add_completion(traj_id: str, turn: Turn, open_: _Open) -> None:
     open_.logprobs.extend(lps)
     if turn.policy_version != open_.policy_version:
         open_.mixed_policy = True
+    open_.span_versions.append(turn.policy_version)
+    open_.span_lengths.append(len(ids))
 
 
 def _episode_samples(
@@ -357,6 +361,8 @@ def align(
                 weight=weight,
                 policy_version=o.policy_version,
                 aux=o.aux,
+                span_versions=o.span_versions,
+                span_lengths=o.span_lengths,
             )
 
 

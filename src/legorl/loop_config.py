@@ -47,6 +47,8 @@ LOOP_LR_SCALE = 0.1
 # The lr of those gains one by one (--scale-only ''), and of any other train_params
 # (docs/experiments.md, "The final norm's gains one by one" and "Earlier defaults").
 LOOP_LR = 0.4
+#: The engines the loop runs on: those of ``legorl.engines.ENGINES`` that load weights live.
+LOOP_ENGINES = ("embedded", "vllm")
 LOOP_LR_ALL = 1e-4
 
 
@@ -120,6 +122,21 @@ class LoopConfig:
     device: str = "auto"  # the engine's: auto, cpu, cuda, cuda:1, …
     engine: str = "embedded"  # embedded | vllm (a server legorl launches, or base_url=…)
     engine_options: dict[str, Any] = field(default_factory=dict)  # make_engine options
+    # The asynchronous driver (--async): rollouts run on while the trainer trains, a group is
+    # admitted only while fewer than (max_staleness + steps done + 1) · batch groups have been,
+    # so no trained sample is older than max_staleness policy versions.
+    use_async: bool = False
+    max_staleness: int = 1
+    batch_groups: int | None = None  # groups per trainer step; None: tasks_per_iteration
+    on_stale: str = "drop"  # a group older than the bound (a late one): drop | rerun
+    refill_filtered: bool = False  # a group filtered for equal rewards frees its slot
+    # training runs sample with seeds from their iteration and sample index (replayable draws)
+    seeded_rollouts: bool = False
+
+    @property
+    def groups_per_batch(self) -> int:
+        """Groups per trainer step (an iteration of the synchronous loop)."""
+        return self.batch_groups if self.batch_groups is not None else self.tasks_per_iteration
 
     def __post_init__(self) -> None:
         self.model = checkout_path(self.model)
@@ -141,6 +158,26 @@ class LoopConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LoopConfigError(name, f"must be an integer >= 1, got {value!r}")
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int):
+            raise LoopConfigError(
+                "max_staleness", f"must be an integer >= 0, got {self.max_staleness!r}"
+            )
+        if self.max_staleness < 0:
+            raise LoopConfigError(
+                "max_staleness",
+                f"must be >= 0 (0: the synchronous loop's order), got {self.max_staleness}",
+            )
+        if self.batch_groups is not None and (
+            isinstance(self.batch_groups, bool)
+            or not isinstance(self.batch_groups, int)
+            or self.batch_groups < 1
+        ):
+            raise LoopConfigError(
+                "batch_groups",
+                f"must be at least one whole group (an integer >= 1), got {self.batch_groups!r}",
+            )
+        if self.on_stale not in ("drop", "rerun"):
+            raise LoopConfigError("on_stale", f"expected drop or rerun, got {self.on_stale!r}")
         if self.eval_limit is not None and self.eval_limit < 1:
             raise LoopConfigError("eval_limit", f"must be >= 1 (or unset), got {self.eval_limit}")
         if not (math.isfinite(self.timeout) and self.timeout > 0):
@@ -158,8 +195,9 @@ class LoopConfig:
         if self.sandbox not in SANDBOXES:
             known = ", ".join(sorted(SANDBOXES))
             raise LoopConfigError("sandbox", f"expected one of {known}, got {self.sandbox!r}")
-        if self.engine not in ("embedded", "vllm"):
-            raise LoopConfigError("engine", f"expected embedded or vllm, got {self.engine!r}")
+        if self.engine not in LOOP_ENGINES:
+            known = " or ".join(LOOP_ENGINES)
+            raise LoopConfigError("engine", f"expected {known}, got {self.engine!r}")
         if self.engine == "embedded" and self.engine_options:
             raise LoopConfigError(
                 "engine_options", "the embedded engine takes --device, not --engine-opt"

@@ -1,7 +1,7 @@
 """The swappable backends, as Protocols: the whole contract each kind of backend meets, so that no
 caller reaches a backend through ``getattr``. Engine (token-in/token-out generation), Sandbox and
 SandboxBackend (a locked-down copy of a task's repository), Harness (an agent run unmodified in
-a sandbox). Backends are chosen by short name from a ``legorl.registry.Registry`` beside their
+a sandbox), Executor (where a loop's rollout and grading work runs, given as plain data). Backends are chosen by short name from a ``legorl.registry.Registry`` beside their
 implementations (``legorl.engines.ENGINES``, ``legorl.sandbox.SANDBOXES``,
 ``legorl.harnesses.HARNESSES``); engines and sandbox backends are built from a typed
 ``config_class``, harnesses are their own dataclass.
@@ -224,3 +224,64 @@ class Harness(Protocol):
     async def run(
         self, sandbox: Sandbox, prompt: str, *, model: str, timeout: float
     ) -> HarnessRun: ...
+
+
+# ---- executors ---------------------------------------------------------------------------------
+
+
+@dataclass(slots=True, kw_only=True)
+class RolloutWork:
+    """Runs to roll out, described in records and plain config only (no live object), so that an
+    executor may send it to another machine, which builds its own sandbox backend and proxy
+    front from it.
+
+    Every Trajectory that comes back has its Turns readable: inline (``turns``), or in
+    ``{folder}/turns/{trajectory_id}.jsonl`` with ``turns_ref`` relative to ``folder``."""
+
+    runs: list[Any]  # legorl.rollout.Run: a records.Task, a sample index, an id prefix
+    harness: str  # a ``legorl.harnesses.HARNESSES`` name or module:Class
+    harness_options: dict[str, Any] = field(default_factory=dict)
+    sandbox: str = "local"  # a ``legorl.sandbox.SANDBOXES`` name or module:Class
+    sandbox_options: dict[str, Any] = field(default_factory=dict)
+    model: str  # the model name the harness asks the proxy for
+    tasks_dir: str  # task paths (repository archives, test files) are relative to it
+    folder: str  # the phase's folder on the machine that asked (trajectories' refs point here)
+    timeout: float = 300.0  # seconds per harness run
+    concurrency: int = 4  # runs at once, over the whole work
+    run_id: str  # names the work's sandboxes
+
+
+@dataclass(slots=True, kw_only=True)
+class GradeWork:
+    """Trajectories to grade, as records and plain config (see ``RolloutWork``)."""
+
+    trajectories: list[Any]  # records.Trajectory
+    tasks: list[Any]  # records.Task: at least those the trajectories name
+    sandbox: str = "local"
+    sandbox_options: dict[str, Any] = field(default_factory=dict)
+    tasks_dir: str
+    folder: str  # the trajectories' turns_ref are relative to it (hack scans read the Turns)
+    concurrency: int = 4
+    run_id: str
+
+
+@runtime_checkable
+class Executor(Protocol):
+    """Where a loop's rollout and grading work runs: in this process
+    (``legorl.executors.inprocess.InProcessExecutor``) or spread over machines.
+
+    ``rollout`` yields each run's Trajectory as soon as it ends (in no set order), one per run,
+    environment failures included (an executor never raises for one run's failure). ``grade``
+    yields each graded Trajectory (``reward``, ``verdict``, ``hack_flags`` set), one per input.
+    ``prepare`` makes sure the work on ``tasks`` can run (sandbox images built or pulled), raising
+    ``SandboxError`` when it cannot, before the loop starts any work."""
+
+    name: ClassVar[str]
+
+    async def prepare(self, sandbox: str, sandbox_options: dict[str, Any], tasks: list) -> None: ...
+
+    def rollout(self, work: RolloutWork) -> AsyncIterator[Any]: ...
+
+    def grade(self, work: GradeWork) -> AsyncIterator[Any]: ...
+
+    async def close(self) -> None: ...

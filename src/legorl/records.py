@@ -250,10 +250,38 @@ class Sample(Record):
     reward: float
     advantage: float | None = None
     weight: float = 1.0
-    policy_version: int = 0
+    policy_version: int = 0  # the version that sampled its first completion span
     aux: bool = False
+    # Each completion span (one call's tokens, in order): the policy version that sampled it and
+    # its loss tokens. An episode that ran across a weight sync has spans of several versions;
+    # empty (files written before spans were kept): one span of ``policy_version``.
+    span_versions: list[int] = field(default_factory=list)
+    span_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def oldest_version(self) -> int:
+        """The oldest policy version among its spans: its staleness is measured from it."""
+        return min(self.span_versions) if self.span_versions else self.policy_version
+
+    def token_versions(self) -> list[int]:
+        """The policy version of each loss token, [sum(loss_mask)]."""
+        if not self.span_versions:
+            return [self.policy_version] * len(self.rollout_logprobs)
+        return [
+            v for v, n in zip(self.span_versions, self.span_lengths, strict=True) for _ in range(n)
+        ]
 
     def check(self) -> None:
+        if len(self.span_versions) != len(self.span_lengths):
+            raise FieldError(
+                "span_lengths",
+                f"has {len(self.span_lengths)} entries for {len(self.span_versions)} span_versions",
+            )
+        if self.span_lengths and sum(self.span_lengths) != sum(self.loss_mask):
+            raise FieldError(
+                "span_lengths",
+                f"sum to {sum(self.span_lengths)}, not the {sum(self.loss_mask)} loss tokens",
+            )
         if len(self.loss_mask) != len(self.input_ids):
             raise FieldError(
                 "loss_mask",

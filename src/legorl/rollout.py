@@ -415,31 +415,37 @@ async def inprocess_proxy(
     server = ProxyServer(core, "127.0.0.1", 0)
     await server.start()
 
+    try:
+        yield core_endpoint(core, server.url, turns_dir, own_folder=False), core
+    finally:
+        await server.close()
+        core.close()
+
+
+def core_endpoint(
+    core: Any, url: str, turns_dir: Path, *, own_folder: bool = True
+) -> ProxyEndpoint:
+    """The endpoint of an in-process ``ProxyCore`` served at ``url``; with ``own_folder`` its
+    sessions write their Turns to ``turns_dir`` whatever the core's folder is (several
+    endpoints of one core, each with its own folder, may be in use at once)."""
+
     async def open_session(sid: str, main_system: str | None = None) -> SessionAccess:
         from legorl.proxy.chat import ApiError
 
         try:
-            route = core.open_session(sid, main_system=main_system)
+            out = turns_dir if own_folder else None
+            route = core.open_session(sid, main_system=main_system, out=out)
         except ApiError as err:
             raise SessionOpenError(err.message) from None
-        return SessionAccess.of_route(server.url, route)
+        return SessionAccess.of_route(url, route)
 
     async def close_session(sid: str) -> SessionReport | None:
-        return core.close_session(sid)
+        report: SessionReport | None = core.close_session(sid)
+        return report
 
-    try:
-        yield (
-            ProxyEndpoint(
-                url=server.url,
-                turns_dir=turns_dir,
-                open_session=open_session,
-                close_session=close_session,
-            ),
-            core,
-        )
-    finally:
-        await server.close()
-        core.close()
+    return ProxyEndpoint(
+        url=url, turns_dir=turns_dir, open_session=open_session, close_session=close_session
+    )
 
 
 def remote_proxy(url: str, turns_dir: Path, admin_token: str) -> ProxyEndpoint:

@@ -182,6 +182,7 @@ class ProxyCore:
         self._granted: set[str] = set()  # every id opened as a capability (bare ids never reach)
         self._locks: dict[str, asyncio.Lock] = {}
         self._writers: dict[str, JsonlWriter] = {}  # one open Turn file per live session
+        self._session_out: dict[str, Path] = {}  # sessions opened with their own Turn folder
         self._spent: dict[str, _Spent] = {}  # budget used by each live session
         self.stats = {"requests": 0, "errors": 0, "cancelled": 0}
 
@@ -359,14 +360,21 @@ class ProxyCore:
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
 
-    def open_session(self, sid: str, *, main_system: str | None = None) -> str:
+    def open_session(
+        self, sid: str, *, main_system: str | None = None, out: str | Path | None = None
+    ) -> str:
         """Open ``sid`` as a capability session and return its route, ``/s/{sid}~{secret}``:
         the only way to reach it. Opening an id again starts it afresh under a new secret (the
         old route stops working); an open session of that name is dropped, and a call of it
         still running records nothing. ``main_system`` binds the main system prompt now (see
-        ``Session``); without it the first tool-bearing call through the route binds it."""
+        ``Session``); without it the first tool-bearing call through the route binds it.
+        ``out``: this session's Turns go to that folder instead of the proxy's (phases of an
+        asynchronous loop overlap, each with its own folder)."""
         _check_id(sid, field="id")
         self.close_session(sid)
+        if out is not None:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            self._session_out[sid] = Path(out)
         secret = secrets.token_hex(16)
         if not self.config.isolate_sessions:
             main_system = None
@@ -384,6 +392,7 @@ class ProxyCore:
         self.sessions.pop(sid, None)
         self._secrets.pop(sid, None)
         self._locks.pop(sid, None)
+        self._session_out.pop(sid, None)
         writer = self._writers.pop(sid, None)
         if writer is not None:
             writer.close()
@@ -661,7 +670,8 @@ class ProxyCore:
         )
         writer = self._writers.pop(session_id, None)
         if writer is None:
-            writer = JsonlWriter(self.out / f"{session_id}.jsonl")
+            folder = self._session_out.get(session_id, self.out)
+            writer = JsonlWriter(folder / f"{session_id}.jsonl")
             if len(self._writers) >= _OPEN_TURN_FILES:
                 self._writers.pop(next(iter(self._writers))).close()  # least recently used
         self._writers[session_id] = writer

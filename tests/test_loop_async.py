@@ -1,0 +1,379 @@
+"""`legorl loop --async`: admission control bounds staleness, K = 0 is the synchronous loop
+(same trajectories, samples and bit-identical checkpoints), filtered and dropped groups are
+counted, and bad options are refused before any work.
+
+Real parts: the embedded engine serving the random tiny model, the built-in `mini` agent in
+`local` (bubblewrap) sandboxes, grading in fresh sandboxes, the trainer. As in test_loop.py,
+the tiny model never solves a task (every reward 0), so the mechanics runs keep zero-variance
+groups and add an entropy bonus, which gives every step a gradient.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+from legorl.loop import LoopConfig, LoopConfigError, LoopResult, run_loop
+from legorl.records import Metric, Sample, Trajectory, Turn, read_jsonl
+
+TASKS = ROOT / "fixtures" / "tasks"
+MODEL = ROOT / "fixtures" / "models" / "tiny-qwen3"
+MECHANICS = ["drop_zero_variance_groups=false", "entropy_coef=0.01"]
+
+
+def _config(out: Path, **changes: object) -> LoopConfig:
+    fields: dict = dict(
+        model=MODEL,
+        tasks_dir=TASKS,
+        out=out,
+        iterations=2,
+        group_size=2,
+        tasks_per_iteration=2,
+        eval_samples=1,
+        eval_limit=1,
+        max_turns=2,
+        max_tokens=16,
+        concurrency=1,
+        timeout=120.0,
+        lr=1e-3,
+        train_overrides=list(MECHANICS),
+        device="cpu",
+        seeded_rollouts=True,
+    )
+    fields.update(changes)
+    return LoopConfig(**fields)
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _trajectories(folder: Path) -> dict[str, dict]:
+    """What a run produced, without what the clock sets."""
+    out = {}
+    for t in read_jsonl(folder / "graded.jsonl", Trajectory):
+        out[t.trajectory_id] = {
+            "status": t.status,
+            "patch": t.patch,
+            "tokens": (t.tokens.prompt, t.tokens.completion),
+            "reward": t.reward,
+            "hack_flags": t.hack_flags,
+        }
+    return out
+
+
+def _turns(folder: Path) -> dict[str, list[tuple]]:
+    return {
+        p.name: [
+            (t.turn, t.policy_version, t.prompt_delta, t.completion_ids, t.completion_logprobs)
+            for t in read_jsonl(p, Turn)
+        ]
+        for p in sorted((folder / "turns").glob("*.jsonl"))
+    }
+
+
+def _trainer_figures(folder: Path) -> list[tuple]:
+    """The trainer's metrics but those the clock and the machine set (timings, memory)."""
+    timed = ("seconds", "time", "memory", "_mb", "per_s")
+    return [
+        (m.step, m.name, m.value)
+        for m in read_jsonl(folder / "metrics.jsonl", Metric)
+        if not (m.name.endswith("_s") or any(x in m.name for x in timed))
+    ]
+
+
+@pytest.fixture(scope="module")
+def sync_and_k0(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, LoopResult]:
+    base = tmp_path_factory.mktemp("k0")
+    run_loop(_config(base / "sync"))
+    k0 = run_loop(_config(base / "async", use_async=True, max_staleness=0))
+    return base / "sync", base / "async", k0
+
+
+def test_max_staleness_0_is_the_synchronous_loop(
+    sync_and_k0: tuple[Path, Path, LoopResult],
+) -> None:
+    sync, k0, result = sync_and_k0
+    assert result.state.finished == 2 and result.state.policy_version == 2
+    for folder in ("eval-before", "iter-001", "iter-002", "eval-after"):
+        assert _trajectories(sync / folder) == _trajectories(k0 / folder), folder
+        assert _turns(sync / folder) == _turns(k0 / folder), folder
+    for k in (1, 2):
+        it = f"iter-{k:03d}"
+        a = list(read_jsonl(sync / it / "samples.jsonl", Sample))
+        b = list(read_jsonl(k0 / it / "samples.jsonl", Sample))
+        assert a and a == b, it  # every field, in the same order
+        # the weights after each step, bit for bit
+        assert _sha(sync / it / "checkpoint" / "model.safetensors") == _sha(
+            k0 / it / "checkpoint" / "model.safetensors"
+        ), it
+        # the trainer's own figures; its timings and memory are the clock's and the machine's
+        ma, mb = _trainer_figures(sync / it), _trainer_figures(k0 / it)
+        assert len(ma) > 10 and ma == mb, it
+    # K = 0: every trained sample was sampled by the weights it is trained against
+    for it in result.state.iterations:
+        assert set(it.staleness) == {"0"} and it.dropped == [] and it.filtered == []
+
+
+def test_the_async_loop_reports_its_metrics(sync_and_k0: tuple[Path, Path, LoopResult]) -> None:
+    _, k0, result = sync_and_k0
+    names = {(m.step, m.name) for m in read_jsonl(k0 / "metrics.jsonl", Metric)}
+    for name in (
+        "staleness_0",
+        "dropped_stale",
+        "filtered_groups",
+        "spanning_fraction",
+        "drain_seconds",
+        "engine_busy_fraction",
+        "trainer_idle_fraction",
+    ):
+        assert (1, name) in names and (2, name) in names, name
+    for it in result.state.iterations:
+        assert it.engine_busy_fraction is not None and 0 < it.engine_busy_fraction <= 1
+        assert it.trainer_idle_fraction is not None and 0 <= it.trainer_idle_fraction < 1
+        # every group consumed once, in the order drawn
+        assert it.groups == [f"it{it.iteration:03d}-{t}" for t in it.tasks]
+
+
+def test_staleness_1_overlaps_and_trains_each_episode_once(tmp_path: Path) -> None:
+    result = run_loop(
+        _config(tmp_path / "run", use_async=True, max_staleness=1, iterations=3, concurrency=2)
+    )
+    state = result.state
+    assert state.finished == 3 and state.policy_version == 3
+    for it in state.iterations:
+        assert set(it.staleness) <= {"0", "1"}, it.staleness
+    consumed = [g for it in state.iterations for g in it.groups]
+    assert len(consumed) == len(set(consumed)) == 6
+    # each trained episode's samples appear in exactly one step
+    episodes = [
+        s.episode_id
+        for k in (1, 2, 3)
+        for s in read_jsonl(tmp_path / "run" / f"iter-{k:03d}" / "samples.jsonl", Sample)
+    ]
+    assert len(set(episodes)) == 12 and all(
+        episodes.count(e) == episodes.count(episodes[0]) for e in episodes
+    )
+    # the bound let batch 2 start before step 1's weights were synced: some of its turns
+    # were sampled at version 0 (or the admission did not overlap, which it must at K = 1)
+    versions = {
+        t.policy_version
+        for p in (tmp_path / "run" / "iter-002" / "turns").glob("*.jsonl")
+        for t in read_jsonl(p, Turn)
+    }
+    assert 0 in versions
+
+
+def test_zero_variance_groups_are_filtered_and_counted(tmp_path: Path) -> None:
+    # The trainer's defaults drop zero-variance groups: the loop filters them first.
+    result = run_loop(_config(tmp_path / "run", use_async=True, iterations=1, train_overrides=[]))
+    (it,) = result.state.iterations
+    assert len(it.filtered) == 2 and it.samples == 0 and not it.trained
+    filtered = [
+        m.value
+        for m in read_jsonl(tmp_path / "run" / "metrics.jsonl", Metric)
+        if m.name == "filtered_groups"
+    ]
+    assert filtered == [2.0]
+
+
+# ---- bad input ---------------------------------------------------------------------------
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "legorl.cli.main", "loop", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--async", "--max-staleness", "-1"], "--max-staleness: must be >= 0"),
+        (["--async", "--batch-groups", "0"], "--batch-groups: must be at least one whole group"),
+        (["--async", "--on-stale", "keep"], "--on-stale: expected drop or rerun"),
+    ],
+)
+def test_bad_async_options_exit_2_naming_the_flag(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    result = _cli("--model", str(MODEL), "--tasks-dir", str(TASKS), *args, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr, result.stderr
+    assert not (tmp_path / "runs").exists()  # nothing started
+
+
+@pytest.fixture
+def not_dev_vllm() -> Iterator[str]:
+    """An HTTP server that answers like a vLLM server outside dev mode: no /server_info."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_async_refuses_an_engine_that_cannot_reload_live(tmp_path: Path, not_dev_vllm: str) -> None:
+    config = _config(
+        tmp_path / "run",
+        use_async=True,
+        engine="vllm",
+        engine_options={"base_url": not_dev_vllm},
+    )
+    with pytest.raises(LoopConfigError, match="cannot reload weights while it serves") as err:
+        run_loop(config)
+    assert err.value.field == "async" and not_dev_vllm in str(err.value)
+    assert not (tmp_path / "run").exists()
+    # the same server, told to reload through collective_rpc, passes this check
+    from legorl.loop.driver_async import check_live_reload
+
+    check_live_reload(
+        _config(
+            tmp_path / "run",
+            use_async=True,
+            engine="vllm",
+            engine_options={"base_url": not_dev_vllm, "weight_reload": "collective_rpc"},
+        )
+    )
+
+
+def test_state_json_keeps_the_async_fields(sync_and_k0: tuple[Path, Path, LoopResult]) -> None:
+    _, k0, _ = sync_and_k0
+    data = json.loads((k0 / "state.json").read_text())
+    assert data["config"]["use_async"] is True and data["config"]["max_staleness"] == 0
+    assert data["iterations"][0]["groups"] and "staleness" in data["iterations"][0]
+
+
+# ---- faults ----------------------------------------------------------------------------------
+
+
+def _children() -> list[str]:
+    """This process's live child processes (a sandbox's bubblewrap, a vLLM server), by name."""
+    me, found = os.getpid(), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != "Z":
+            found.append(stat.parent.name)
+    return found
+
+
+def test_a_trainer_crash_stops_the_loop_with_the_reason_and_the_rollouts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from legorl.loop import stages
+    from legorl.loop.state import LoopError
+
+    real = stages.train_samples
+
+    def crash_at_step_2(config: LoopConfig, samples: list, **kw: object) -> object:
+        if kw["step"] == 2:  # a fault inside the trainer, as a real one would raise
+            raise RuntimeError("CUDA error: an illegal memory access")
+        return real(config, samples, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(stages, "train_samples", crash_at_step_2)
+    before = set(_children())
+    config = _config(tmp_path / "run", use_async=True, max_staleness=1, iterations=3, concurrency=2)
+    with pytest.raises(LoopError, match="iteration 2: train: RuntimeError: CUDA error"):
+        run_loop(config)
+    # the rollouts in flight were stopped: no sandbox process is left behind
+    assert set(_children()) <= before
+    # what was written stays: step 1 finished, its checkpoint and the runs' records
+    state = json.loads((tmp_path / "run" / "state.json").read_text())
+    assert state["finished"] == 1 and state["checkpoint"] == "iter-001/checkpoint"
+    assert len(list(read_jsonl(tmp_path / "run" / "iter-001" / "graded.jsonl", Trajectory))) == 4
+
+
+def test_a_killed_async_loop_resumes_without_training_an_episode_twice(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    args = [
+        *("--model", str(MODEL), "--tasks-dir", str(TASKS), "--out", "run"),
+        *("--iterations", "3", "--group-size", "2", "--tasks-per-iteration", "2"),
+        *("--eval-samples", "1", "--eval-limit", "1", "--max-turns", "2", "--max-tokens", "16"),
+        *("--device", "cpu", "--lr", "1e-3", "--concurrency", "2"),
+        *("--async", "--max-staleness", "1", "--seeded-rollouts", *MECHANICS),
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "legorl.cli.main", "loop", *args],
+        cwd=tmp_path,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    out = tmp_path / "run"
+
+    def finished() -> int:
+        try:
+            return int(json.loads((out / "state.json").read_text())["finished"])
+        except (OSError, ValueError, KeyError):
+            return 0
+
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and finished() < 1:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert finished() == 1
+    first = (out / "iter-001" / "samples.jsonl").read_bytes()
+
+    resumed = _cli(*args, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "continuing after iteration 1" in resumed.stderr
+    assert (out / "iter-001" / "samples.jsonl").read_bytes() == first
+    state = json.loads((out / "state.json").read_text())
+    assert state["finished"] == 3
+    # every group of the three batches consumed once, by its ids
+    groups = [g for it in state["iterations"] for g in it["groups"]]
+    assert len(groups) == len(set(groups)) == 6
+    # no run rolled out twice (one finished before the kill is kept), none trained twice
+    for k in (1, 2, 3):
+        ids = [
+            t.trajectory_id for t in read_jsonl(out / f"iter-{k:03d}" / "graded.jsonl", Trajectory)
+        ]
+        assert len(ids) == len(set(ids)) == 4, k
+    trained = [
+        s.episode_id
+        for k in (1, 2, 3)
+        for s in read_jsonl(out / f"iter-{k:03d}" / "samples.jsonl", Sample)
+    ]
+    episodes = sorted(set(trained))
+    dropped = [g for it in state["iterations"] for g in it["dropped"]]
+    # each episode trained in one step only; dropped groups' episodes not at all
+    steps_of = {
+        e: {
+            k
+            for k in (1, 2, 3)
+            for s in read_jsonl(out / f"iter-{k:03d}" / "samples.jsonl", Sample)
+            if s.episode_id == e
+        }
+        for e in episodes
+    }
+    assert all(len(v) == 1 for v in steps_of.values())
+    assert len(episodes) == 12 - 2 * len(dropped)
