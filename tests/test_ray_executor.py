@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -67,7 +68,16 @@ class LocalCluster:
         os.environ["RAY_TMPDIR"] = str(tmp)  # not the machine's /tmp/ray: others run clusters
         self.cluster = Cluster(
             initialize_head=True,
-            head_node_args={**self._args(), "include_dashboard": False, "gcs_server_port": 0},
+            head_node_args={
+                **self._args(),
+                "include_dashboard": False,
+                "gcs_server_port": 0,
+                # a killed node is declared dead in about 2 s, not 30
+                "_system_config": {
+                    "health_check_period_ms": 500,
+                    "health_check_failure_threshold": 3,
+                },
+            },
         )
         self.address = self.cluster.address
 
@@ -279,3 +289,71 @@ def test_legorl_help_does_not_import_ray() -> None:
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"
+
+
+def test_a_killed_node_s_runs_run_elsewhere_once_and_gc_clears_its_sandboxes(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    doomed = cluster.add()
+    name = cluster.node_of(doomed)
+    driver = _popen("rollout", *_args(tmp_path, sleep=6, limit=4), "--ray", cluster.address,
+                    cwd=tmp_path)  # fmt: skip
+    try:
+        # the first wave is on all three nodes (two slots each): then SIGKILL one node
+        _wait_for(lambda: len(_sandboxes(cluster)) >= 6)
+        cluster.cluster.remove_node(doomed, allow_graceful=False)
+        _, err = driver.communicate(timeout=300)
+    finally:
+        driver.kill()
+    assert driver.returncode == 0, err[-3000:]
+    assert _ids(tmp_path / "traj.jsonl") == Counter(_expected(4, 2))  # none lost, none twice
+    trajs = list(read_jsonl(tmp_path / "traj.jsonl", Trajectory))
+    assert {t.status for t in trajs} == {"ok"}
+    assert name not in {t.evidence["node"] for t in trajs}
+    assert f"re-run after a lost node {name} 2" in err
+
+    left = _sandboxes(cluster)  # the dead node's sandboxes, their owner gone
+    assert len(left) == 2, left
+    env = {**os.environ, **cluster.env}
+    gc = subprocess.run([sys.executable, "-m", "legorl.cli.main", "sandbox", "gc", "--backend",
+                         "local"], capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert gc.returncode == 0, gc.stderr
+    assert _sandboxes(cluster) == [] and not list(cluster.state.iterdir())
+
+
+def test_a_killed_driver_resumes_with_nothing_lost(cluster: LocalCluster, tmp_path: Path) -> None:
+    args = [*_args(tmp_path, sleep=3, limit=4), "--ray", cluster.address]
+    driver = _popen("rollout", *args, cwd=tmp_path)
+    try:
+        _wait_for(lambda: sum(_ids(tmp_path / "traj.jsonl").values()) >= 2 if (
+            tmp_path / "traj.jsonl").exists() else False)  # fmt: skip
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=60)
+    finally:
+        driver.kill()
+    before = _ids(tmp_path / "traj.jsonl")
+    assert 2 <= sum(before.values()) < 8
+    again = _cli("rollout", *args, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"{sum(before.values())} run(s) already in" in again.stderr
+    assert _ids(tmp_path / "traj.jsonl") == Counter(_expected(4, 2))
+
+
+def test_a_worker_that_raises_keeps_the_others_going(cluster: LocalCluster, tmp_path: Path) -> None:
+    faulty = cluster.add(**{FAULT: "1"})
+    name = cluster.node_of(faulty)
+    try:
+        args = [*_args(tmp_path, limit=4, raise_if_env=FAULT), "--ray", cluster.address]
+        proc = _cli("rollout", *args, cwd=tmp_path)
+    finally:
+        cluster.cluster.remove_node(faulty)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _ids(tmp_path / "traj.jsonl") == Counter(_expected(4, 2))
+    trajs = list(read_jsonl(tmp_path / "traj.jsonl", Trajectory))
+    crashed = [t for t in trajs if t.status == "sandbox_error"]
+    assert crashed and all(t.evidence["executor"]["node"] == name for t in crashed)
+    assert all("scripted fault" in t.evidence["error"] for t in crashed)
+    others = [t for t in trajs if t.status != "sandbox_error"]
+    assert others and {t.status for t in others} == {"ok"}
+    assert name not in {t.evidence["node"] for t in others}
+    assert f"crashes {name} {len(crashed)}" in proc.stderr
