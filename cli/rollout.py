@@ -83,6 +83,15 @@ def rollout(
     max_episode_turns: MaxEpisodeTurns = None,
     max_episode_tokens: MaxEpisodeTokens = None,
     max_episode_s: MaxEpisodeS = None,
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            "--ray",
+            metavar="ADDRESS",
+            help="Run on the Ray cluster at ADDRESS (auto: the one running here), one worker "
+            "per node with its own sandboxes and proxy.",
+        ),
+    ] = None,
 ) -> None:
     """Run HARNESS on each task GROUP_SIZE times; one Trajectory per run, resumable."""
     from rich.progress import Progress as RichProgress
@@ -103,6 +112,7 @@ def rollout(
         serve_engine,
     )
     from legorl.sandbox import make_backend
+    from legorl.sandbox.runtime import PreflightError, harness_preflight
     from legorl.tasks import TaskError, load_tasks
 
     try:
@@ -129,12 +139,20 @@ def rollout(
         backend = make_backend(sandbox)
     except (ValueError, TypeError, SandboxError) as exc:
         fail("rollout", str(exc), 2)
+    if ray is not None and proxy is not None:
+        fail("rollout", "--ray runs a proxy on each node: give --model, not --proxy", 2)
+    try:  # before any engine or sandbox starts: a missing harness fails every run alike
+        if ray is None:  # on a cluster each node's worker checks its own
+            harness_preflight(agent, backend.name)
+    except PreflightError as exc:
+        fail("rollout", str(exc))
     turns = (
         proxy_turns or turns_dir or (out.with_name(out.name + ".turns") if out else Path("turns"))
     )
     turns.mkdir(parents=True, exist_ok=True)
     runs = plan_runs(task_list, group_size, limit, finished_ids(out))
-    require_images("rollout", backend, [r.task for r in runs])
+    if ray is None:  # on a cluster, each node's backend builds or pulls its own
+        require_images("rollout", backend, [r.task for r in runs])
     skipped = (min(limit or len(task_list), len(task_list)) * group_size) - len(runs)
     if skipped:
         console.print(f"legorl rollout: {skipped} run(s) already in {out}, skipped", markup=False)
@@ -194,8 +212,11 @@ def rollout(
             assert model is not None
             opts = key_values("rollout", "--engine-opt", engine_opt)
             if script is not None:
-                opts["script"] = str(script)
+                opts["script"] = str(script.resolve())
             spec = EngineSpec(name=engine, weights=model, options=opts, log_dir=refs_base)
+            if ray is not None:
+                await on_cluster(ray, spec, show)
+                return
             async with contextlib.AsyncExitStack() as stack:
                 try:
                     endpoint, core = await stack.enter_async_context(
@@ -207,10 +228,63 @@ def rollout(
                     fail("rollout", f"--engine {engine}: {exc}")
                 await consume(endpoint, served_model or core.served_name)
 
+    cluster: list[Any] = []
+
+    async def on_cluster(address: str, spec: EngineSpec, show: Any) -> None:
+        from legorl import __version__
+        from legorl.executors.ray import ExecutorError, RayExecutor, WorkerSetup
+        from legorl.records import JsonlWriter
+
+        assert model is not None
+        where = refs_base.resolve()
+        setup = WorkerSetup(
+            version=__version__,
+            sandbox=sandbox,
+            harness=harness,
+            harness_options=key_values("rollout", "--harness-opt", harness_opt),
+            engine=EngineSpec(
+                name=spec.name,
+                weights=model.resolve(),
+                options=spec.options,
+                log_dir=where,
+            ),
+            model=str(model.resolve()),
+            served_model=served_model,
+            budget=caps,
+            tasks_dir=str(tasks.parent.resolve()),
+            timeout=timeout,
+            run_id=run_id,
+        )
+        executor = RayExecutor(address, setup)
+        cluster.append(executor.stats)
+        try:
+            await executor.start()  # before --out is opened: a cluster that cannot take it
+            for why in executor.stats.refused.values():
+                console.print(f"legorl rollout: left out: {why}", markup=False, soft_wrap=True)
+            with JsonlWriter(out) as writer:
+                async for traj in executor.rollout(
+                    runs,
+                    turns_dir=turns.resolve(),
+                    refs_relative_to=where,
+                    concurrency=concurrency if concurrency > 1 else None,
+                ):
+                    writer.write(traj)
+                    progress.done += 1
+                    progress.by_status[traj.status] += 1
+                    progress.completion_tokens += traj.tokens.completion
+                    monitor.observe_trajectory(traj)
+                    show(traj)
+        except ExecutorError as exc:
+            fail("rollout", f"--ray {address}: {exc}")
+        finally:
+            await executor.close()
+
     try:
         asyncio.run(main())
     except MonitorStop as stop:
         fail("rollout", str(stop))
+    if cluster:
+        console.print(f"legorl rollout: on Ray: {cluster[0].summary()}", markup=False)
     summary = ", ".join(f"{k} {v}" for k, v in sorted(progress.by_status.items())) or "nothing"
     console.print(
         f"legorl rollout: {progress.done} trajectories ({summary}); "

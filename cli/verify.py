@@ -9,7 +9,7 @@ import asyncio
 import uuid
 from collections import Counter
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -42,6 +42,15 @@ def verify(
     strict: Annotated[
         bool, typer.Option(help="Stop at the first monitor alert (e.g. a hack flag).")
     ] = False,
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            "--ray",
+            metavar="ADDRESS",
+            help="Grade on the Ray cluster at ADDRESS (auto: the one running here), one worker "
+            "per node with its own sandboxes.",
+        ),
+    ] = None,
 ) -> None:
     """Grade each trajectory: reward 1/0, per-test verdict, hack flags; env failures pass through."""
     from legorl.align import AlignError, turns_of
@@ -67,7 +76,8 @@ def verify(
     unknown = sorted({t.task_id for t in trajectories} - set(by_id))
     if unknown:
         fail("verify", f"trajectory task(s) not in {tasks}: {', '.join(unknown[:5])}")
-    require_images("verify", backend, [by_id[t.task_id] for t in trajectories])
+    if ray is None:  # on a cluster, each node's backend builds or pulls its own
+        require_images("verify", backend, [by_id[t.task_id] for t in trajectories])
     counts: Counter[str] = Counter()
     monitor = Monitor(
         alerts_path=(out.parent if out else Path.cwd()) / "alerts.jsonl", strict=strict
@@ -80,28 +90,62 @@ def verify(
         except (AlignError, RecordError):
             return []
 
+    run_id = f"legorl-verify-{uuid.uuid4().hex[:8]}"
+    config = VerifyConfig(test_timeout=test_timeout)
+    cluster: list[Any] = []
+
     async def main() -> None:
-        with JsonlWriter(out) as writer:
-            async for graded in grade_all(
-                trajectories,
-                by_id,
-                backend=backend,
-                tasks_dir=str(tasks.parent),
-                run_id=f"legorl-verify-{uuid.uuid4().hex[:8]}",
-                load_turns=load,
-                concurrency=concurrency,
-                config=VerifyConfig(test_timeout=test_timeout),
-            ):
-                writer.write(graded)
-                monitor.observe_trajectory(graded)
-                counts["graded" if graded.reward is not None else "not graded"] += 1
-                counts["resolved"] += graded.reward == 1.0
-                counts["flagged"] += bool(graded.hack_flags)
+        from legorl import __version__
+        from legorl.executors.ray import ExecutorError, RayExecutor, WorkerSetup
+
+        if ray is None:
+            with JsonlWriter(out) as writer:
+                async for graded in grade_all(
+                    trajectories,
+                    by_id,
+                    backend=backend,
+                    tasks_dir=str(tasks.parent),
+                    run_id=run_id,
+                    load_turns=load,
+                    concurrency=concurrency,
+                    config=config,
+                ):
+                    take(writer, graded)
+            return
+        setup = WorkerSetup(
+            version=__version__,
+            sandbox=sandbox,
+            tasks_dir=str(tasks.parent.resolve()),
+            run_id=run_id,
+            verify_config=config,
+        )
+        executor = RayExecutor(ray, setup)
+        cluster.append(executor.stats)
+        try:
+            await executor.start()  # before --out is opened: a cluster that cannot take it
+            for why in executor.stats.refused.values():
+                console.print(f"legorl verify: left out: {why}", markup=False, soft_wrap=True)
+            with JsonlWriter(out) as writer:
+                async for graded in executor.grade(trajectories, by_id, load_turns=load):
+                    take(writer, graded)
+        except ExecutorError as exc:
+            fail("verify", f"--ray {ray}: {exc}")
+        finally:
+            await executor.close()
+
+    def take(writer: JsonlWriter, graded: Trajectory) -> None:
+        writer.write(graded)
+        monitor.observe_trajectory(graded)
+        counts["graded" if graded.reward is not None else "not graded"] += 1
+        counts["resolved"] += graded.reward == 1.0
+        counts["flagged"] += bool(graded.hack_flags)
 
     try:
         asyncio.run(main())
     except MonitorStop as stop:
         fail("verify", str(stop))
+    if cluster:
+        console.print(f"legorl verify: on Ray: {cluster[0].summary()}", markup=False)
     console.print(
         f"legorl verify: {counts['graded']} graded, {counts['resolved']} resolved, "
         f"{counts['not graded']} not graded, {counts['flagged']} with hack flags",

@@ -4,10 +4,13 @@
 
 it runs one shell command in the sandbox as the "agent" (exit 0 → ok; a hang → timeout;
 anything else → harness_crash). The command finds its session's route in ``$LEGORL_PROXY_URL``.
+With ``raise_if_env=NAME`` it raises instead of running, in a process whose environment has
+``NAME`` (a fault injected into one node of a cluster, whose processes alone were given it).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import ClassVar
@@ -29,9 +32,12 @@ class ScriptedHarness:
     requires: ClassVar[Requirement] = Requirement(binary="sh", install="install a POSIX shell")
     needs_runtime: ClassVar[bool] = False
     command: str = "true"
+    raise_if_env: str = ""
 
     async def run(self, sandbox: Sandbox, prompt: str, *, model: str, timeout: float) -> HarnessRun:
         started = time.monotonic()
+        if self.raise_if_env and self.raise_if_env in os.environ:
+            raise RuntimeError(f"scripted fault: ${self.raise_if_env} is set here")
         url = {"LEGORL_PROXY_URL": sandbox.proxy_url} if sandbox.proxy_url else {}
         result = await sandbox.exec(
             ["sh", "-c", self.command], timeout=timeout, cwd=sandbox.workdir, env=_env(sandbox, url)

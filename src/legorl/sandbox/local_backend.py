@@ -66,7 +66,7 @@ from legorl.sandbox.docker_backend import LayerReport
 from legorl.sandbox.layers import Layer, env_layer, instance_layer, keep_up_to
 from legorl.sandbox.relay import FORWARDER, Relay, inside_port, open_relay, split_proxy_url
 from legorl.sandbox.repo import scrubbed_repo
-from legorl.sandbox.runtime import RuntimeSources, local_layout, missing_parts, runtime_layer
+from legorl.sandbox.runtime import RuntimeSources, local_layout, runtime_layer
 
 #: Host folders every sandbox sees read-only (merged-/usr symlinks are recreated as links).
 HOST_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
@@ -308,11 +308,6 @@ class LocalCache:
         if not build:
             raise ImageMissingError(
                 f"runtime layer {tag} is not built and building is off (--no-build)"
-            )
-        missing = missing_parts(layer.recipe)
-        if missing:
-            raise BuildError(
-                f"runtime layer {tag}: not installed on this host: {', '.join(missing)}"
             )
         with build_lock(tag):
             if not (path / "binds.json").is_file():

@@ -44,13 +44,15 @@ import legorl
 from legorl.sandbox.common import RUNTIME_DIR
 from legorl.sandbox.layers import Layer
 
-NPM_PACKAGES = (
-    "@anthropic-ai/claude-code",
-    "opencode-ai",
-    "@openai/codex",
-    "@google/gemini-cli",
-    "@qwen-code/qwen-code",
-)
+#: The npm harnesses' executables, by the package that brings each.
+NPM_BINARIES = {
+    "claude": "@anthropic-ai/claude-code",
+    "opencode": "opencode-ai",
+    "codex": "@openai/codex",
+    "gemini": "@google/gemini-cli",
+    "qwen": "@qwen-code/qwen-code",
+}
+NPM_PACKAGES = tuple(NPM_BINARIES.values())
 #: Harness venvs, by the folder they get in the layout; all run on the OpenHands venv's Python.
 VENVS = ("openhands", "miniswe")
 _SKIP_PY = ("lib/python3.12/test/", "lib/python3.12/idlelib/", "lib/python3.12/tkinter/")
@@ -99,10 +101,12 @@ class RuntimeSources:
         return path.resolve() if (path / "package.json").is_file() else None
 
     def venv_home(self) -> Path | None:
-        """The Python prefix the OpenHands venv runs on."""
-        if self.openhands_venv is None:
+        """The Python prefix the harness venvs run on (the OpenHands venv's, else the first
+        venv found: a host may have one harness venv and not the other)."""
+        venv = self.openhands_venv or self.miniswe_venv
+        if venv is None:
             return None
-        cfg = _pyvenv_cfg(self.openhands_venv)
+        cfg = _pyvenv_cfg(venv)
         home = cfg.get("home")
         return Path(home).parent if home else None
 
@@ -170,6 +174,8 @@ def split_layers(src: RuntimeSources | None = None) -> tuple[Layer, Layer]:
 
 
 def missing_parts(recipe: dict[str, Any]) -> list[str]:
+    """Every part of the full runtime this host lacks (a layer is built without them; only a
+    harness that needs one fails, at preflight: ``harness_preflight``)."""
     if set(recipe) == {"agent"}:
         return [] if recipe["agent"] else ["built-in agent"]
     missing = [] if recipe.get("node") else ["node"]
@@ -177,6 +183,84 @@ def missing_parts(recipe: dict[str, Any]) -> list[str]:
     missing += [f"{name} venv" for name in VENVS if not recipe.get(name)]
     missing += [] if recipe.get("agent", True) else ["built-in agent"]
     return missing
+
+
+def parts_for(requirement: Any) -> list[str]:
+    """The runtime parts a harness with this ``Requirement`` runs from, named as
+    ``missing_parts`` names them: [] for a harness that brings itself (the built-in agent)."""
+    if requirement.binary in NPM_BINARIES:
+        return ["node", NPM_BINARIES[requirement.binary]]
+    if requirement.python in VENVS:
+        return [f"{requirement.python} venv"]
+    return []
+
+
+def present_parts(recipe: dict[str, Any]) -> set[str]:
+    """The parts a runtime recipe (``manifest``) has."""
+    have = {"node"} if recipe.get("node") else set()
+    have |= {name for name, version in (recipe.get("npm") or {}).items() if version}
+    return have | {f"{name} venv" for name in VENVS if recipe.get(name)}
+
+
+def check_command(recipe: dict[str, Any]) -> str:
+    """The shell line that runs each part the layer has (``--version``, an import), so a built
+    volume is checked for what it carries and nothing it was never given."""
+    have = present_parts(recipe)
+    # a `#!/usr/bin/env node` script (qwen) needs the runtime's node on PATH
+    steps = [f"export PATH={RUNTIME_DIR}/bin:$PATH"]
+    if "node" in have:
+        steps.append(f"{RUNTIME_DIR}/bin/node --version")
+    steps += [
+        f"{RUNTIME_DIR}/bin/{exe} --version"
+        for exe in ("claude", "opencode", "qwen")
+        if NPM_BINARIES[exe] in have and "node" in have
+    ]
+    modules = {"openhands": "openhands.sdk", "miniswe": "minisweagent"}
+    steps += [
+        f"{RUNTIME_DIR}/{name}/bin/python -c 'import {modules[name]}'"
+        for name in VENVS
+        if f"{name} venv" in have
+    ]
+    return " && ".join(steps)
+
+
+class PreflightError(RuntimeError):
+    """A harness cannot run where it must: one line naming the harness, the node and the fix."""
+
+
+def node_name() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+def harness_preflight(
+    harness: Any, sandbox: str, *, node: str | None = None, src: RuntimeSources | None = None
+) -> None:
+    """Raise ``PreflightError`` unless ``harness`` (an instance or class) can run in a
+    ``sandbox`` ("docker" | "local") sandbox on this host, before any sandbox starts: a harness
+    that runs from the runtime layer needs its parts installed here (the layer is made from
+    this host's installs, for either backend); one that runs from the sandbox's own tools
+    under the local backend needs its executable on this host's PATH."""
+    need = harness.requires
+    where = node or node_name()
+    fix = f"install: {need.install}"
+    if harness.needs_runtime:
+        parts = parts_for(need)
+        if not parts:
+            return
+        have = present_parts(manifest(src or RuntimeSources.find()))
+        missing = [p for p in parts if p not in have]
+        if missing:
+            raise PreflightError(
+                f"harness {harness.name} is not installed on node {where} "
+                f"(missing {', '.join(missing)}); {fix}"
+            )
+    elif sandbox == "local" and need.binary and shutil.which(need.binary) is None:
+        raise PreflightError(
+            f"harness {harness.name} is not installed on node {where} "
+            f"({need.binary} is not on PATH); {fix}"
+        )
 
 
 # ---- Docker: one tar of the whole layout ---------------------------------------------------
@@ -242,7 +326,7 @@ def write_tar(src: RuntimeSources, out: Any, recipe: dict[str, Any]) -> None:
                 target = os.path.normpath(f"../lib/node_modules/{name}/{rel}")
                 _add_symlink(tar, f"{top}/bin/{exe}", target)
         home = src.venv_home()
-        if src.openhands_venv is not None and home is not None:
+        if home is not None:
             _add_python(tar, home, f"{top}/python")
             for name in VENVS:
                 venv = src.venv(name)
@@ -335,7 +419,7 @@ def local_layout(src: RuntimeSources, dest: Path, recipe: dict[str, Any]) -> lis
         for exe, rel in bins.items():
             (dest / "bin" / exe).symlink_to(os.path.normpath(pkg / rel))
     home = src.venv_home()
-    if src.openhands_venv is not None and home is not None:
+    if home is not None:
         (dest / "python").symlink_to(home)
         binds.append(home)
         for name in VENVS:

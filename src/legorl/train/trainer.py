@@ -9,10 +9,11 @@ Several processes, one copy of the loop each (CPU: gloo; GPU: NCCL, or FSDP with
     accelerate launch --config_file fixtures/accelerate/fsdp-8gpu.yaml -m legorl.cli.main train …
 
 (On a machine without CUDA, ``--multi_gpu`` only selects torchrun's launcher; the processes find
-no GPU and join a gloo group on the CPU.) Every process reads every sample and makes the same
-plan; each runs its share of the micro-batches, and gradients are averaged across processes.
-Each process's loss is scaled so that the average equals the one-process loss over the whole
-step, so N processes give the same update as one (tested).
+no GPU and join a gloo group on the CPU.) Several machines: ``--num_machines``, one launch per
+machine (``legorl.train.distributed``). Rank 0 reads the samples and sends them to the other
+ranks, which make the same plan; each runs its share of the micro-batches, and gradients are
+averaged across processes. Each process's loss is scaled so that the average equals the
+one-process loss over the whole step, so N processes give the same update as one (tested).
 
 One call, top to bottom: read and check samples → advantages per group → per step: pack the
 step's episodes into micro-batches → π_old (no grad) → log π_θ → loss → backward → clip → step
@@ -47,6 +48,12 @@ from legorl.records import Metric, Sample, TrainerLogprobs
 from legorl.train.config import TrainConfig, dump_config
 from legorl.train.correction import correction_weights, mismatch_metrics
 from legorl.train.data import Batch, prepare_batch
+from legorl.train.distributed import (
+    gather_optimizer_state,
+    parameter_names,
+    scatter_optimizer_state,
+    shared_samples,
+)
 from legorl.train.losses import LossOut, episode_sums, policy_loss
 from legorl.train.model import TokenScorer, load_policy
 from legorl.train.packing import MicroBatch, build_micro_batch, pack_lengths, padded_length
@@ -391,7 +398,7 @@ def _saved_dtype(model: Path) -> torch.dtype:
 def save_checkpoint(
     accelerator: Any,
     scorer: Any,
-    optimizer: Any,
+    optimizer_state: dict[str, Any] | None,
     out: Path,
     *,
     model_dir: Path,
@@ -400,7 +407,7 @@ def save_checkpoint(
     run: dict[str, Any],
 ) -> None:
     """Weights (``save_pretrained``, in the dtype the model came in), tokenizer, optimizer state
-    (unless ``optimizer`` is None), trainer state and the resolved config, each file moved into
+    (unless None), trainer state and the resolved config, each file moved into
     ``out`` whole (``out`` may be the model folder itself)."""
     full = accelerator.get_state_dict(scorer)  # every process takes part (FSDP gathers here)
     if not accelerator.is_main_process:
@@ -422,8 +429,8 @@ def save_checkpoint(
             from legorl.engines.models import load_tokenizer
 
             load_tokenizer(model_dir).save_pretrained(tmp)
-        if optimizer is not None:
-            torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        if optimizer_state is not None:
+            torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
         dump_config(config, tmp / CONFIG_FILE, extra=run)
         new = {p.name for p in tmp.iterdir()}
@@ -681,9 +688,20 @@ def resume_optimizer(
     """Load ``optimizer.pt`` from ``model_dir`` when it was saved for the same tensors, grouped
     the same way; this call's lrs, betas, eps and weight decay win over the saved ones. Returns
     whether there was one; raises TrainError when it belongs to other tensors."""
+    path = saved_optimizer(state, model_dir, config)
+    if path is None:
+        return False
+    optimizer.load_state_dict(torch.load(path, weights_only=True))
+    take_call_settings(optimizer, groups, config)
+    return True
+
+
+def saved_optimizer(state: dict[str, Any], model_dir: Path, config: TrainConfig) -> Path | None:
+    """``optimizer.pt`` in ``model_dir`` (None: there is none), once checked to be saved for
+    the tensors this call trains (``TrainError`` otherwise)."""
     path = model_dir / OPTIMIZER_FILE
     if not path.is_file():
-        return False
+        return None
     # Adam's moments belong to the tensors that were trained (another train_params would give
     # them to other tensors, silently where the counts and shapes agree); a scalar factor's are
     # not a whole tensor's; lr_groups' regexes sort them into the groups (their lrs may change)
@@ -706,11 +724,14 @@ def resume_optimizer(
             raise TrainError(
                 f"{path}: saved for {what} {shown[0]}, not {shown[1]}; {fix}, or resume=false"
             )
-    optimizer.load_state_dict(torch.load(path, weights_only=True))
+    return path
+
+
+def take_call_settings(optimizer: Any, groups: list[dict[str, Any]], config: TrainConfig) -> None:
+    """This call's lrs, betas, eps and weight decay over the ones a loaded state brought."""
     for group, built in zip(optimizer.param_groups, groups, strict=True):
         group.update(lr=built["lr"], weight_decay=config.weight_decay, eps=config.adam_eps)
         group["betas"] = (config.adam_beta1, config.adam_beta2)
-    return True
 
 
 # --------------------------------------------------------------------------------------------
@@ -775,13 +796,17 @@ def train(
         weight_decay=config.weight_decay,
     )
     state = _read_state(model_dir) if config.resume else {}
-    # FSDP shards the optimizer state over processes; saving and loading it sharded is not built,
-    # so FSDP runs restart the Adam moments at every call (said on stderr)
-    if fsdp:
-        say("FSDP: the optimizer state is neither loaded nor saved (not built yet)")
-    elif config.resume and resume_optimizer(optimizer, groups, state, model_dir, config):
+    # FSDP shards Adam's moments: they are gathered to save and scattered to resume, in the
+    # one-process layout (legorl.train.distributed), once the model is sharded
+    names = parameter_names(scorer, optimizer) if fsdp else []
+    if not fsdp and config.resume and resume_optimizer(optimizer, groups, state, model_dir, config):
         say(f"resumed optimizer state from {model_dir / OPTIMIZER_FILE}")
     scorer, optimizer = accelerator.prepare(scorer, optimizer)
+    saved = saved_optimizer(state, model_dir, config) if fsdp and config.resume else None
+    if saved is not None:
+        scatter_optimizer_state(scorer, optimizer.optimizer, saved, names, main)
+        take_call_settings(optimizer, groups, config)
+        say(f"resumed optimizer state from {saved} (sharded over {accelerator.num_processes})")
     ref = None
     if config.kl_coef > 0:
         ref_lm = load_policy(config.ref_model or model_dir, attention=config.attention)
@@ -791,7 +816,7 @@ def train(
 
     # ---- data: checked samples, advantages, mini-batches ------------------------------------
     batch = prepare_batch(
-        samples,
+        shared_samples(samples, accelerator),  # read by rank 0 alone, sent to the others
         config,
         vocab_size=int(text_config.vocab_size),
         max_len=max_context_of(lm),
@@ -918,10 +943,15 @@ def train(
         "scale_only": config.scale_only,  # and which of them as one scalar each
     }
     fold_scales(accelerator.unwrap_model(scorer).lm)
+    opt_state = (
+        gather_optimizer_state(scorer, optimizer.optimizer, names, main)
+        if fsdp
+        else optimizer.state_dict()
+    )
     save_checkpoint(
         accelerator,
         scorer,
-        None if fsdp else optimizer,
+        opt_state,
         out_dir,
         model_dir=model_dir,
         config=config,

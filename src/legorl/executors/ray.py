@@ -1,0 +1,507 @@
+"""The Ray executor: rollout and grading spread over the nodes of a Ray cluster, one worker per
+node (a Ray actor) holding that node's sandbox backend and its proxy front.
+
+    ray start --head --port 6379                      # on the first node
+    ray start --address HEAD:6379                     # on each other node
+    legorl rollout --ray auto --tasks … --harness mini --engine vllm \\
+        --engine-opt base_url=http://GPU-HOST:8000 --model MODEL --out runs/traj.jsonl
+
+Each worker runs the same code as an in-process rollout (``legorl.rollout.run_one``,
+``legorl.verify.grade``) with its own proxy on 127.0.0.1 of its node, so the sandbox-to-proxy
+relay stays a local socket; the engine the proxy serves may be anywhere (a vLLM server by
+``base_url``, or loaded on the node). The driver hands out runs within each node's slots (the
+node's ``legorl_runs`` resource, ``ray start --resources '{"legorl_runs": 8}'``, else its CPU
+count) and writes each Trajectory to its own ``--out`` as it comes back, with its Turns: they
+travel with the result and are written beside the driver's output, so nothing depends on a path
+of another machine. Resume is the in-process one: finished ids in ``--out`` are not planned.
+
+Before any run, every worker checks its node: the driver's legorl version, the sandbox backend
+(bubblewrap or Docker) and the harness (``harness_preflight``). A node that fails one is left
+out, with its reason on stderr; with none left the command fails in one line.
+
+Faults: a run whose worker dies (its node lost) goes back to the queue and runs elsewhere, so
+every run ends in the output exactly once; a worker that raises on a run gives that run a
+``sandbox_error`` naming the node (``evidence.executor``), and the others go on; ``RayStats``
+counts both by node. Ray is imported here only, when an executor starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import tempfile
+import time
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import legorl
+from legorl.records import Trajectory, Turn
+
+#: A node's declared slots: runs it takes at once (else its CPU count).
+SLOTS_RESOURCE = "legorl_runs"
+
+
+class ExecutorError(RuntimeError):
+    """The cluster cannot take the work (no cluster, no node fit): one line for the CLI."""
+
+
+@dataclass(slots=True, kw_only=True)
+class WorkerSetup:
+    """What a node's worker builds its sandbox backend and proxy front from: plain data."""
+
+    version: str  # the driver's legorl version
+    sandbox: str = "local"
+    sandbox_options: dict[str, Any] = field(default_factory=dict)
+    harness: str | None = None  # None: a grading worker (no harness, no engine)
+    harness_options: dict[str, Any] = field(default_factory=dict)
+    engine: Any = None  # legorl.rollout.EngineSpec
+    model: str = ""  # the model folder the proxy takes its tokenizer from
+    served_model: str = ""  # the name harnesses ask for ("" : the proxy's)
+    budget: Any = None  # legorl.proxy.core.Budget
+    tasks_dir: str = ""
+    timeout: float = 600.0
+    run_id: str = "legorl-ray"
+    verify_config: Any = None  # legorl.verify.VerifyConfig
+
+
+@dataclass(slots=True)
+class RayStats:
+    """What happened on the cluster, by node."""
+
+    nodes: dict[str, int] = field(default_factory=dict)  # node -> slots, of those that took work
+    refused: dict[str, str] = field(default_factory=dict)  # node -> why
+    runs: Counter[str] = field(default_factory=Counter)  # node -> results returned
+    crashes: Counter[str] = field(default_factory=Counter)  # node -> runs whose worker raised
+    lost: Counter[str] = field(default_factory=Counter)  # node -> runs re-queued (worker died)
+    rescheduled_s: list[float] = field(default_factory=list)  # death seen -> run restarted
+
+    def summary(self) -> str:
+        parts = [f"{len(self.nodes)} node(s)"]
+        if self.crashes:
+            parts.append(
+                "crashes " + ", ".join(f"{n} {c}" for n, c in sorted(self.crashes.items()))
+            )
+        if self.lost:
+            parts.append(
+                "re-run after a lost node "
+                + ", ".join(f"{n} {c}" for n, c in sorted(self.lost.items()))
+            )
+        return "; ".join(parts)
+
+
+def node_label(info: dict[str, Any]) -> str:
+    """A node as people name it: its address and its raylet's port (several nodes may share a
+    host)."""
+    return f"{info.get('NodeManagerAddress', '?')}:{info.get('NodeManagerPort', '?')}"
+
+
+class NodeWorker:
+    """One node's worker (a Ray actor): checks the node, then runs rollouts or gradings there
+    with the node's own sandbox backend and proxy, as the in-process stage does."""
+
+    def __init__(self, setup: WorkerSetup, node: str) -> None:
+        self.setup = setup
+        self.node = node
+        self.refusal = self._check()
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._ctx: Any = None
+        self._backend: Any = None
+        self._lock = asyncio.Lock()
+        self._turns = Path(tempfile.mkdtemp(prefix="legorl-ray-turns-"))
+
+    def _check(self) -> str | None:
+        setup = self.setup
+        if legorl.__version__ != setup.version:
+            return (
+                f"node {self.node} has legorl {legorl.__version__}, the driver legorl "
+                f"{setup.version}: install the driver's version there"
+            )
+        from legorl.check import check_sandbox
+
+        if setup.sandbox in ("local", "docker"):
+            found = check_sandbox(setup.sandbox)
+            if not found.ok:
+                return f"node {self.node}: sandbox {setup.sandbox}: {found.reason} ({found.fix})"
+        if setup.harness is not None:
+            from legorl.harnesses import make_harness
+            from legorl.sandbox.runtime import PreflightError, harness_preflight
+
+            try:
+                harness_preflight(
+                    make_harness(setup.harness, **setup.harness_options),
+                    setup.sandbox,
+                    node=self.node,
+                )
+            except PreflightError as exc:
+                return str(exc)
+        return None
+
+    async def info(self) -> dict[str, Any]:
+        return {"node": self.node, "refused": self.refusal, "pid": os.getpid()}
+
+    async def _start(self) -> Any:
+        async with self._lock:
+            if self._backend is not None:
+                return self._ctx
+            from legorl.sandbox import make_backend
+
+            setup = self.setup
+            self._backend = make_backend(setup.sandbox, **setup.sandbox_options)
+            if setup.harness is None:
+                return None
+            from legorl.harnesses import make_harness
+            from legorl.rollout import RunContext, serve_engine
+
+            self._stack = contextlib.AsyncExitStack()
+            endpoint, core = await self._stack.enter_async_context(
+                serve_engine(setup.model, setup.engine, self._turns, setup.budget)
+            )
+            self._ctx = RunContext(
+                harness=make_harness(setup.harness, **setup.harness_options),
+                backend=self._backend,
+                proxy=endpoint,
+                model=setup.served_model or core.served_name,
+                tasks_dir=Path(setup.tasks_dir),
+                timeout=setup.timeout,
+                run_id=setup.run_id,
+                refs_relative_to=self._turns,
+            )
+            return self._ctx
+
+    async def rollout(self, run: Any) -> Trajectory:
+        """One run (``legorl.rollout.Run``) here; its Turns come back inline."""
+        from legorl.records import read_jsonl
+        from legorl.rollout import run_one
+
+        ctx = await self._start()
+        traj = await run_one(run, ctx)
+        path = self._turns / f"{run.trajectory_id}.jsonl"
+        turns = list(read_jsonl(path, Turn, skip_bad=True)) if path.exists() else []
+        path.unlink(missing_ok=True)
+        evidence = {**traj.evidence, "node": self.node}
+        return replace(traj, turns=turns or None, turns_ref=None, evidence=evidence)
+
+    async def grade(self, traj: Trajectory, task: Any) -> Trajectory:
+        """One grading here; the Turns it scans come inline from the driver."""
+        from legorl.verify import VerifyConfig, grade
+
+        await self._start()
+        return await grade(
+            replace(traj, turns=None),
+            task,
+            backend=self._backend,
+            tasks_dir=self.setup.tasks_dir,
+            run_id=self.setup.run_id,
+            turns=list(traj.turns or []),
+            config=self.setup.verify_config or VerifyConfig(),
+        )
+
+    async def close(self) -> None:
+        if self._stack is not None:
+            await self._stack.aclose()
+            self._stack = None
+
+
+def connect(address: str) -> Any:
+    """``ray`` connected to the cluster at ``address`` ("auto": the one running here);
+    ``ExecutorError`` when there is none."""
+    try:
+        import ray
+    except ImportError:
+        raise ExecutorError("--ray needs Ray: pip install 'legorl[ray]'") from None
+    if ray.is_initialized():
+        return ray
+    gcs = _gcs_address(address)
+    host, _, port = gcs.rpartition(":")
+    try:  # ray.init retries a dead address for minutes: ask the port first
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
+    except (OSError, ValueError) as exc:
+        raise ExecutorError(f"no Ray cluster at {address} ({gcs}): {exc}") from None
+    try:
+        ray.init(
+            address=gcs,
+            log_to_driver=False,
+            logging_level=logging.ERROR,
+            configure_logging=False,
+            include_dashboard=False,
+        )
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ExecutorError(f"no Ray cluster at {address}: {first}") from None
+    return ray
+
+
+def _gcs_address(address: str) -> str:
+    """The head's host:port for ``address``: "auto" is ``$RAY_ADDRESS`` or the cluster that
+    ``ray start`` recorded on this machine."""
+    if address != "auto":
+        return address
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"]
+    from ray._common.utils import get_ray_address_file
+
+    path = Path(get_ray_address_file(None))
+    recorded = path.read_text().strip() if path.is_file() else ""
+    if not recorded:
+        raise ExecutorError(
+            "no Ray cluster is running here (start one with `ray start --head`, or give its "
+            "address)"
+        )
+    return recorded
+
+
+@dataclass(slots=True)
+class _Worker:
+    node: str
+    node_id: str
+    slots: int
+    handle: Any
+    busy: int = 0
+    alive: bool = True
+
+
+def start_workers(ray: Any, setup: WorkerSetup, stats: RayStats) -> list[_Worker]:
+    """One worker per alive node, pinned to it; the nodes that refuse are left out (their
+    reasons in ``stats.refused``); ``ExecutorError`` when none is left."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    actor = ray.remote(NodeWorker)
+    workers: list[_Worker] = []
+    for info in ray.nodes():
+        if not info.get("Alive"):
+            continue
+        resources = info.get("Resources", {})
+        slots = max(int(resources.get(SLOTS_RESOURCE) or resources.get("CPU") or 1), 1)
+        node = node_label(info)
+        handle = actor.options(
+            num_cpus=0,
+            max_restarts=0,
+            max_concurrency=slots + 8,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(info["NodeID"], soft=False),
+        ).remote(setup, node)
+        workers.append(_Worker(node, info["NodeID"], slots, handle))
+    infos: list[dict[str, Any]] = []
+    for w in workers:
+        try:
+            infos.append(ray.get(w.handle.info.remote(), timeout=300))
+        except Exception as exc:  # a node that died or could not start the actor
+            infos.append({"refused": f"node {w.node}: its worker did not start: {exc}"})
+    usable = []
+    for w, got in zip(workers, infos, strict=True):
+        if got.get("refused"):
+            stats.refused[w.node] = got["refused"]
+            with contextlib.suppress(Exception):
+                ray.kill(w.handle)
+        else:
+            stats.nodes[w.node] = w.slots
+            usable.append(w)
+    if not usable:
+        why = "; ".join(stats.refused.values()) or "the cluster has no alive node"
+        raise ExecutorError(f"no node of the cluster can take the work: {why}")
+    return usable
+
+
+async def schedule(
+    ray: Any,
+    workers: list[_Worker],
+    items: list[Any],
+    submit: Callable[[_Worker, Any], Any],
+    crashed: Callable[[Any, str, BaseException], Trajectory],
+    stats: RayStats,
+    *,
+    concurrency: int | None = None,
+) -> AsyncIterator[Trajectory]:
+    """Hand ``items`` to the workers within their slots (and ``concurrency`` over all), yield
+    each result as it comes. A worker that dies gives its items back to the queue, to run
+    elsewhere; a worker that raises on an item yields ``crashed(item, node, exc)`` and keeps
+    taking others."""
+    from ray.exceptions import (
+        ActorDiedError,
+        ActorUnavailableError,
+        RayActorError,
+        RayTaskError,
+        WorkerCrashedError,
+    )
+
+    lost_types = (ActorDiedError, ActorUnavailableError, RayActorError, WorkerCrashedError)
+    queue: deque[tuple[Any, float | None]] = deque((item, None) for item in items)
+    flight: dict[asyncio.Future[Any], tuple[_Worker, Any]] = {}
+    cap = concurrency if concurrency and concurrency > 0 else None
+
+    def lose(worker: _Worker, item: Any) -> None:
+        worker.alive = False
+        stats.lost[worker.node] += 1
+        queue.appendleft((item, time.monotonic()))
+
+    try:
+        while queue or flight:
+            while queue and (cap is None or len(flight) < cap):
+                free = [w for w in workers if w.alive and w.busy < w.slots]
+                if not free:
+                    break
+                worker = min(free, key=lambda w: w.busy / w.slots)
+                item, lost_at = queue.popleft()
+                if lost_at is not None:
+                    stats.rescheduled_s.append(time.monotonic() - lost_at)
+                fut = asyncio.wrap_future(submit(worker, item).future())
+                flight[fut] = (worker, item)
+                worker.busy += 1
+            if not flight:
+                raise ExecutorError(
+                    f"every node of the cluster is gone; {len(queue)} run(s) not done"
+                )
+            done, _ = await asyncio.wait(flight, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                worker, item = flight.pop(fut)
+                worker.busy -= 1
+                try:
+                    result = fut.result()
+                except lost_types:
+                    lose(worker, item)
+                    continue
+                except RayTaskError as exc:
+                    cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+                    if isinstance(cause, lost_types):
+                        lose(worker, item)
+                        continue
+                    stats.crashes[worker.node] += 1
+                    yield crashed(item, worker.node, cause)
+                    continue
+                stats.runs[worker.node] += 1
+                yield result
+    finally:
+        for fut in flight:
+            fut.cancel()
+
+
+def _crashed_run(run: Any, node: str, exc: BaseException, harness: str) -> Trajectory:
+    return Trajectory(
+        trajectory_id=run.trajectory_id,
+        task_id=run.task.instance_id,
+        group_id=run.task.instance_id,
+        sample_index=run.sample_index,
+        harness=harness,
+        status="sandbox_error",
+        evidence={
+            "error": f"executor: the worker on node {node} raised {type(exc).__name__}: {exc}",
+            "executor": {"node": node, "raised": type(exc).__name__},
+            "node": node,
+        },
+    )
+
+
+def write_turns(traj: Trajectory, turns_dir: Path, refs_relative_to: Path) -> Trajectory:
+    """The Turns that came back inline, written to ``turns_dir`` here (whole, then renamed),
+    and the Trajectory pointing at them as an in-process run's does."""
+    from legorl.records import write_jsonl
+
+    if not traj.turns:
+        return replace(traj, turns=None, turns_ref=None)
+    path = turns_dir / f"{traj.trajectory_id}.jsonl"
+    tmp = path.with_name(f".{path.name}.partial")
+    write_jsonl(tmp, traj.turns)
+    os.replace(tmp, path)
+    return replace(traj, turns=None, turns_ref=[os.path.relpath(path, refs_relative_to)])
+
+
+class RayExecutor:
+    """Rollout and grading on the cluster at ``address``: ``start`` connects and puts one
+    worker on each node that can take the work (``ExecutorError`` when none can), then
+    ``rollout`` or ``grade`` stream results back, and ``close`` stops the workers.
+
+        executor = RayExecutor("auto", setup)
+        stats = await executor.start()
+        async for traj in executor.rollout(runs, turns_dir=…, refs_relative_to=…):
+            …
+        await executor.close()
+    """
+
+    name = "ray"
+
+    def __init__(self, address: str, setup: WorkerSetup) -> None:
+        self.address = address
+        self.setup = setup
+        self.stats = RayStats()
+        self._ray: Any = None
+        self._workers: list[_Worker] = []
+
+    async def start(self) -> RayStats:
+        self._ray = connect(self.address)
+        self._workers = await asyncio.to_thread(start_workers, self._ray, self.setup, self.stats)
+        return self.stats
+
+    async def rollout(
+        self,
+        runs: list[Any],
+        *,
+        turns_dir: Path,
+        refs_relative_to: Path,
+        concurrency: int | None = None,
+    ) -> AsyncIterator[Trajectory]:
+        """``runs`` (``legorl.rollout.Run``) on the cluster; yields each Trajectory as it ends,
+        its Turns written to ``turns_dir``."""
+        harness = self.setup.harness or "?"
+        async for traj in schedule(
+            self._ray,
+            self._workers,
+            runs,
+            lambda w, run: w.handle.rollout.remote(run),
+            lambda run, node, exc: _crashed_run(run, node, exc, harness),
+            self.stats,
+            concurrency=concurrency,
+        ):
+            yield write_turns(traj, turns_dir, refs_relative_to)
+
+    async def grade(
+        self,
+        trajectories: list[Trajectory],
+        tasks: dict[str, Any],
+        *,
+        load_turns: Callable[[Trajectory], list[Turn]],
+        concurrency: int | None = None,
+    ) -> AsyncIterator[Trajectory]:
+        """Grade ``trajectories`` on the cluster; yields each graded one as it ends
+        (environment failures pass through ungraded, as in-process)."""
+        from legorl.records import ENVIRONMENT_FAILURES
+
+        todo = []
+        for traj in trajectories:
+            if traj.status in ENVIRONMENT_FAILURES:
+                yield replace(
+                    traj,
+                    reward=None,
+                    verdict={"resolved": None, "reason": f"not graded: status {traj.status}"},
+                )
+            else:
+                todo.append(traj)
+
+        def submit(w: _Worker, traj: Trajectory) -> Any:
+            turns = load_turns(traj)
+            return w.handle.grade.remote(replace(traj, turns=turns), tasks[traj.task_id])
+
+        def crashed(traj: Trajectory, node: str, exc: BaseException) -> Trajectory:
+            why = f"executor: the worker on node {node} raised {type(exc).__name__}: {exc}"
+            verdict = {"resolved": None, "reason": why, "node": node}
+            return replace(traj, reward=None, verdict=verdict)
+
+        async for graded in schedule(
+            self._ray, self._workers, todo, submit, crashed, self.stats, concurrency=concurrency
+        ):
+            yield graded
+
+    async def close(self) -> None:
+        if self._ray is None:
+            return
+        closing = [w.handle.close.remote() for w in self._workers if w.alive]
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.gather(*closing, return_exceptions=True), timeout=60)
+        for w in self._workers:
+            with contextlib.suppress(Exception):
+                self._ray.kill(w.handle)
+        self._workers = []
