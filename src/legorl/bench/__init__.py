@@ -89,6 +89,12 @@ def _vllm(args: argparse.Namespace) -> dict[str, Any]:
     return bench_vllm(quick=args.quick)
 
 
+def _vllm_failover(args: argparse.Namespace) -> dict[str, Any]:
+    from legorl.bench.vllm_failover import bench_vllm_failover
+
+    return bench_vllm_failover(quick=args.quick)
+
+
 def _realsuite(args: argparse.Namespace) -> dict[str, Any]:
     from legorl.bench.realsuite import bench_realsuite
 
@@ -115,6 +121,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "realsuite": _realsuite,
     "train": _train,
     "vllm": _vllm,
+    "vllm_failover": _vllm_failover,
 }
 
 
