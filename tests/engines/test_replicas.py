@@ -365,3 +365,20 @@ async def test_the_turn_records_the_replica_and_the_failover(
     assert two.completion_ids == b.completion  # B's tokens and log-probs, none of A's
     assert two.completion_logprobs == [round(-0.01 * (i + 1), 6) for i in range(len(b.completion))]
     await engine.close()
+
+
+def test_check_asks_every_replica(pair: tuple[FakeVllm, FakeVllm]) -> None:
+    from legorl.check import RunConfig, check_vllm
+
+    a, b = pair
+    urls = f"{a.url},{b.url}"
+    row = check_vllm(RunConfig(engine="vllm", engine_options={"base_url": urls}))
+    assert row.status == "pass" and f"{a.url} serves policy" in row.reason
+    assert f"{b.url} serves policy" in row.reason
+    b.kill()
+    row = check_vllm(RunConfig(engine="vllm", engine_options={"base_url": urls}))
+    assert row.status == "fail" and "1 of 2 replicas answer (min_replicas=2)" in row.reason
+    assert f"no vLLM server at {b.url}" in row.reason
+    options = {"base_url": urls, "min_replicas": 1}
+    row = check_vllm(RunConfig(engine="vllm", engine_options=options))
+    assert row.status == "pass" and f"no vLLM server at {b.url}" in row.reason
