@@ -14,7 +14,12 @@ The figures, from the Turns the proxy wrote:
 * ``reprefilled_tokens``: per failed-over call, the prompt tokens (history, plus the tokens the
   dead replica had sent) that the survivor prefilled again; ``reprefilled_over_prompt``: their
   sum over the sum of those calls' own prompt lengths (1.0 when nothing had been sent yet).
+* ``kill_to_out_s``: from the SIGKILL to the replica's removal from the rotation.
 * ``calls``, ``failed_over``, ``errors`` (always 0 unless failover failed), ``kill_to_done_s``.
+
+Both replicas are warmed first (one short call per session): a fresh vLLM's first calls are
+slow, and a stall measured on them would count that too. The kill comes at least 1 s into the
+measured rollout.
 
 Without vLLM the section is skipped with a line saying why.
 """
@@ -90,8 +95,11 @@ async def _measure(engine: Any, work: Path, calls: int, max_tokens: int) -> dict
     from legorl.records import Turn, read_jsonl
 
     core = ProxyCore(ProxyConfig(model=_model(), out=work / "turns"), engine)
+    # warm both replicas first (a fresh vLLM's first calls are slow), then the measured rollout
+    await asyncio.gather(*(_episode(core, f"warm-{i}", 1, 16) for i in range(SESSIONS)))
     sids = [f"fo-{i}" for i in range(SESSIONS)]
     rollout = asyncio.gather(*(_episode(core, sid, calls, max_tokens) for sid in sids))
+    await asyncio.sleep(1.0)  # the sessions' calls are under way, some well into their tokens
     deadline = time.monotonic() + 300
     while engine.status()[0]["inflight"] < 2 and not rollout.done():
         if time.monotonic() > deadline:
@@ -114,6 +122,8 @@ async def _measure(engine: Any, work: Path, calls: int, max_tokens: int) -> dict
         "failed_over": len(moved),
         "errors": errors,
         "kill_to_done_s": round(done - killed, 3),
+        # from the SIGKILL to the replica's removal from the rotation
+        "kill_to_out_s": round(engine.slots[0].down_since - killed, 4),
         "stalled_s": [round(s, 4) for s in stalls],
         "stalled_s_median": round(statistics.median(stalls), 4) if stalls else None,
         "stalled_s_max": round(max(stalls), 4) if stalls else None,

@@ -115,6 +115,7 @@ class Slot:
     sessions: int = 0  # sessions placed on it (the placement's tie-break)
     strikes: int = 0
     why: str = ""  # why it is out of rotation
+    down_since: float = 0.0  # time.monotonic() when it was taken out
     relaunches: int = 0
     attempts: set[_Attempt] = dataclasses.field(default_factory=set)
     task: asyncio.Task[None] | None = None  # a relaunch or rejoin in progress
@@ -324,6 +325,7 @@ class Fleet:
         if slot.state == "down":
             return
         slot.state, slot.why, slot.strikes = "down", why, 0
+        slot.down_since = time.monotonic()
         self._log(f"{self.label} replica {slot.replica.url} out of rotation: {why}")
         for attempt in list(slot.attempts):
             if attempt.aborted is None:
