@@ -218,6 +218,7 @@ async def test_a_replica_killed_mid_rollout_the_sessions_go_on(fleet: Fleet) -> 
     rollout = asyncio.gather(
         *(episode(fleet, sid, 3, stream=k % 2 == 1) for k, sid in enumerate(sids))
     )
+    await asyncio.sleep(1.0)  # some streamed calls are well into their tokens
     deadline = time.monotonic() + 120
     while engine.status()[0]["inflight"] < 2:  # calls are being generated on replica 0
         assert time.monotonic() < deadline and not rollout.done(), engine.status()
@@ -242,13 +243,15 @@ async def test_a_replica_killed_mid_rollout_the_sessions_go_on(fleet: Fleet) -> 
         if first is not None:
             assert {t.replica for t in session[first:]} == {url_of(fleet, 1)}
     # every token and log-prob recorded is exact under the current weights, failed-over ones
-    # included (a streamed call's tokens sent before the kill came from the dead replica)
+    # included (a streamed call's tokens sent before the kill, ``resumed_at``, came from the
+    # dead replica; the survivor went on from them)
     worst, tokens = worst_gap(fleet, sids, fleet.ckpt)
     assert worst < 1e-3 and tokens > 100, (worst, tokens)
     print(
         f"\nfailover: {len(moved)} calls moved, stalled "
         f"{[round(t.failover.stalled_s, 3) for t in moved if t.failover]} s, re-prefilled "
-        f"{[t.failover.reprefilled_tokens for t in moved if t.failover]} tokens"
+        f"{[t.failover.reprefilled_tokens for t in moved if t.failover]} tokens, resumed at "
+        f"{[t.failover.resumed_at for t in moved if t.failover]}"
     )
 
 
