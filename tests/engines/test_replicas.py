@@ -382,3 +382,41 @@ def test_check_asks_every_replica(pair: tuple[FakeVllm, FakeVllm]) -> None:
     options = {"base_url": urls, "min_replicas": 1}
     row = check_vllm(RunConfig(engine="vllm", engine_options=options))
     assert row.status == "pass" and f"no vLLM server at {b.url}" in row.reason
+
+
+def test_the_cli_names_a_replica_that_does_not_answer(
+    pair: tuple[FakeVllm, FakeVllm], tmp_path: Path
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    a, b = pair
+    b.kill()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "legorl.cli.main",
+            "proxy",
+            "serve",
+            "--engine",
+            "vllm",
+            "--model",
+            str(MODEL),
+            "--engine-opt",
+            f"base_url={a.url},{b.url}",
+            "--out",
+            str(tmp_path / "turns"),
+            "--port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "400", "NO_COLOR": "1"},
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr
+    (line,) = [x for x in done.stderr.splitlines() if "error:" in x]
+    assert line.startswith("legorl proxy: error: --engine vllm: 1 of 2 vLLM replicas answer")
+    assert f"{b.url}: vLLM server at {b.url} unreachable" in line
