@@ -11,6 +11,7 @@ Under CI=true a missing vLLM fails.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -272,11 +273,57 @@ async def test_the_relaunched_replica_rejoins_after_a_sync(fleet: Fleet) -> None
     assert worst < 1e-3 and stale > 0.05, (worst, stale)
 
 
+async def test_a_stream_cut_mid_way_goes_on_from_its_tokens(fleet: Fleet) -> None:
+    # a streamed call on replica 0 is killed after its first tokens went out: the survivor
+    # goes on from them, and every token's log-prob is exact
+    engine = fleet.engine
+    engine.relaunch = False  # it stays dead: the next test needs none left
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Task cut: the test in tests/test_area.py fails."},
+    ]
+    body = {"model": "policy", "messages": messages, "tools": TOOLS, "max_tokens": 400}
+    cut = None
+    for attempt in range(6):  # the tiny model may end a completion before 8 tokens
+        sid = f"cut-{attempt}"
+        route = fleet.core.open_session(sid)
+        answer = await fleet.core.handle(
+            "POST", f"{route}/v1/chat/completions", "", {}, orjson.dumps({**body, "stream": True})
+        )
+        assert answer.status == 200
+        events = 0
+        async for part in answer.body:
+            events += part.count(b"data: {")
+            if events >= 8 and cut is None:
+                # it went to the least loaded replica (fewer sessions): the rejoined one
+                assert engine.replica_of(sid) == url_of(fleet, 0)
+                cut = sid
+                os.killpg(engine.replicas[0].server.proc.pid, signal.SIGKILL)
+            assert b'"error"' not in part, part
+        fleet.core.close_session(sid)
+        if cut is not None:
+            break
+    assert cut is not None, "no completion of 8 tokens in 6 tries"
+    (turn,) = turns(fleet, cut)
+    assert turn.failover is not None and turn.failover.failed == [url_of(fleet, 0)]
+    assert turn.replica == url_of(fleet, 1)
+    assert turn.failover.resumed_at >= 6  # tokens from the dead replica, then the survivor's
+    assert turn.failover.reprefilled_tokens == turn.prompt_len + turn.failover.resumed_at
+    assert len(turn.completion_ids) > turn.failover.resumed_at  # the survivor sampled the rest
+    worst, tokens = worst_gap(fleet, [cut], fleet.ckpt)
+    assert worst < 1e-3 and tokens == len(turn.completion_ids), (worst, tokens)
+    print(
+        f"\nstream cut at {turn.failover.resumed_at} tokens, went on to "
+        f"{len(turn.completion_ids)}; stalled {turn.failover.stalled_s:.3f} s"
+    )
+
+
 async def test_no_replica_left_calls_get_the_api_s_error(fleet: Fleet) -> None:
     engine = fleet.engine
     engine.relaunch = False
     for replica in engine.replicas:
-        os.killpg(replica.server.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):  # replica 0 died in the test before
+            os.killpg(replica.server.proc.pid, signal.SIGKILL)
     deadline = time.monotonic() + 20
     for replica in engine.replicas:
         replica.server.proc.wait(30)
