@@ -15,6 +15,7 @@ from conftest import ROOT, example_records
 
 from legorl.records import (
     SCHEMAS,
+    Failover,
     JsonlWriter,
     RecordError,
     Sample,
@@ -44,6 +45,37 @@ def test_golden_file_reads_and_rewrites_byte_for_byte() -> None:
     assert len(records) == len(example_records())
     assert b"".join(to_json(r) + b"\n" for r in records) == raw
     assert records == example_records()
+
+
+def test_turns_written_before_replicas_still_read() -> None:
+    # Turns gained ``replica`` and ``failover`` (engine replicas): a file written before reads
+    # as the same records, the new fields at their defaults
+    old = ROOT / "tests" / "data" / "golden-before-replicas.jsonl"
+    assert b'"replica"' not in old.read_bytes()
+    records = list(read_jsonl(old))
+    assert records == example_records()
+    turns = [r for r in records if isinstance(r, Turn)]
+    assert turns and all(t.replica is None and t.failover is None for t in turns)
+
+
+def test_a_failed_over_turn_round_trips(tmp_path: Path) -> None:
+    turn = next(r for r in example_records() if isinstance(r, Turn))
+    turn.replica = "http://127.0.0.1:8001"
+    turn.failover = Failover(
+        failed=["http://127.0.0.1:8000"], reprefilled_tokens=4, resumed_at=1, stalled_s=0.25
+    )
+    write_jsonl(tmp_path / "t.jsonl", [turn])
+    (back,) = read_jsonl(tmp_path / "t.jsonl", Turn)
+    assert (
+        back == turn and back.failover is not None and back.failover.failed == turn.failover.failed
+    )
+    bad = orjson.loads((tmp_path / "t.jsonl").read_bytes())
+    bad["failover"]["reprefilled_tokens"] = "4"
+    (tmp_path / "bad.jsonl").write_bytes(orjson.dumps(bad) + b"\n")
+    with pytest.raises(
+        RecordError, match=r"bad\.jsonl:1: failover\.reprefilled_tokens: expected int"
+    ):
+        list(read_jsonl(tmp_path / "bad.jsonl", Turn))
 
 
 def test_expected_type_filters_by_schema(tmp_path: Path, records: list) -> None:

@@ -983,22 +983,31 @@ def check_vllm(config: RunConfig) -> CheckResult:
     if base_url:
         import httpx
 
-        url = str(base_url).rstrip("/")
+        urls = [u.strip().rstrip("/") for u in str(base_url).split(",") if u.strip()]
+        least = opts.get("min_replicas") or len(urls)
         fix = "start the server (see docs/vllm.md), or drop base_url and let legorl launch one"
-        try:
-            models = httpx.get(f"{url}/v1/models", timeout=30)
-            models.raise_for_status()
-            cards = models.json().get("data") or []
-            dev = httpx.get(f"{url}/server_info", timeout=30).status_code == 200
-        except (httpx.HTTPError, ValueError) as exc:
-            return _fail(name, f"no vLLM server at {url}: {_short(exc)}", fix)
-        served = ", ".join(f"{c.get('id')} ({c.get('max_model_len')} tokens)" for c in cards)
-        reload = (
-            "dev mode on: weights reload in place"
-            if dev
-            else "dev mode off: no weight reload (start it with VLLM_SERVER_DEV_MODE=1)"
-        )
-        return _pass(name, f"{url} serves {served or 'nothing'}; {reload}")
+        seen, down = [], []
+        for url in urls:
+            try:
+                models = httpx.get(f"{url}/v1/models", timeout=30)
+                models.raise_for_status()
+                cards = models.json().get("data") or []
+                dev = httpx.get(f"{url}/server_info", timeout=30).status_code == 200
+            except (httpx.HTTPError, ValueError) as exc:
+                down.append(f"no vLLM server at {url}: {_short(exc)}")
+                continue
+            served = ", ".join(f"{c.get('id')} ({c.get('max_model_len')} tokens)" for c in cards)
+            reload = (
+                "dev mode on: weights reload in place"
+                if dev
+                else "dev mode off: no weight reload (start it with VLLM_SERVER_DEV_MODE=1)"
+            )
+            seen.append(f"{url} serves {served or 'nothing'}; {reload}")
+        if len(seen) < least:
+            if len(urls) > 1:
+                down.insert(0, f"{len(seen)} of {len(urls)} replicas answer (min_replicas={least})")
+            return _fail(name, "; ".join(down), fix)
+        return _pass(name, "; ".join(seen + down))
     try:
         python, info = find_vllm_python(opts.get("python"))
         check_servable(opts.get("model_path") or config.model, info.get("dist"))

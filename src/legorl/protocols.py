@@ -37,6 +37,22 @@ class GenerationRequest:
     # so an engine may deliver it in one piece instead of token by token (vllm: one JSON answer
     # instead of server-sent events). The tokens and log-probs are the same either way.
     stream: bool = True
+    # Where the request was served, filled in by an engine with several replicas (engines/
+    # replicas.py) as it serves it; the proxy copies it into the Turn. Others leave it empty.
+    placement: Placement = field(default_factory=lambda: Placement())
+
+
+@dataclass(slots=True)
+class Placement:
+    """Which replica sampled a request's tokens, and what failing over cost it."""
+
+    replica: str | None = None  # the replica that sampled the completion (its URL)
+    failed: list[str] = field(default_factory=list)  # replicas that failed during the request
+    reprefilled_tokens: int = 0  # prompt tokens prefilled again on the replicas retried on
+    resumed_at: int = 0  # completion tokens delivered by a failed replica before it failed
+    # the gap in the call's tokens: from the failed replica's last token (or the call's start
+    # there) to the first token after failing over
+    stalled_s: float = 0.0
 
 
 @dataclass(slots=True)

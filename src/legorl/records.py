@@ -139,6 +139,22 @@ class TurnFlags:
 
 
 @dataclass(slots=True, kw_only=True)
+class Failover:
+    """A call whose replica failed while serving it, and was retried on another one.
+
+    The recorded completion is what the client received: ``completion_ids[:resumed_at]`` came
+    from the failed replica before it failed (a streamed call, whose tokens had already gone
+    out), the rest from ``Turn.replica``, which prefilled the whole prompt (and those tokens)
+    again: ``reprefilled_tokens``. Every token's log-prob is from the replica that sampled it,
+    under the same policy version."""
+
+    failed: list[str]  # the replicas that failed, in order
+    reprefilled_tokens: int = 0
+    resumed_at: int = 0
+    stalled_s: float = 0.0  # from the failed replica's last token (or the call's start) to the next
+
+
+@dataclass(slots=True, kw_only=True)
 class Turn(Record):
     """One LLM call captured by the proxy.
 
@@ -169,6 +185,9 @@ class Turn(Record):
     parent_session: str | None = None  # for aux sub-sessions
     timings: dict[str, float] = field(default_factory=dict)
     time: float = 0.0  # unix seconds when the call arrived
+    # the engine replica that sampled the completion (its URL), when the engine has replicas
+    replica: str | None = None
+    failover: Failover | None = None  # set when the call was retried on another replica
 
     def check(self) -> None:
         if self.turn < 0 or self.segment < 0 or self.prompt_offset < 0:

@@ -89,6 +89,12 @@ def _vllm(args: argparse.Namespace) -> dict[str, Any]:
     return bench_vllm(quick=args.quick)
 
 
+def _vllm_failover(args: argparse.Namespace) -> dict[str, Any]:
+    from legorl.bench.vllm_failover import bench_vllm_failover
+
+    return bench_vllm_failover(quick=args.quick)
+
+
 def _realsuite(args: argparse.Namespace) -> dict[str, Any]:
     from legorl.bench.realsuite import bench_realsuite
 
@@ -122,6 +128,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "train": _train,
     "vllm": _vllm,
     "async": _loop_async,
+    "vllm_failover": _vllm_failover,
 }
 
 

@@ -50,23 +50,38 @@ saying so. Other clients of the same server are not drained: give the engine its
 
 Without ``base_url`` legorl launches the server itself and stops it on ``close``
 (``engines/vllm_server.py``).
+
+**Replicas** (``engines/replicas.py``): ``base_url=URL1,URL2,…`` connects to several servers of
+the same model, ``replicas=N`` launches N (each its own server process; with
+``gpus_per_replica=K`` each gets K GPUs of ``devices`` or ``$CUDA_VISIBLE_DEVICES`` through its
+own ``CUDA_VISIBLE_DEVICES``). Sessions stick to a replica, new ones go to the least loaded,
+``load_weights`` reaches every replica before any call sees the new version, and a replica that
+dies or stops answering is taken out of rotation while its calls go on elsewhere. A URL that
+does not answer at start is named in one line; the engine starts if ``min_replicas`` (default:
+all of them) still answer, and probes the others until they join.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
+import os
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import httpx
 import orjson
 
 from legorl.engines.http1 import Http1Pool, supports
+from legorl.engines.replicas import Fleet, ReplicaFailure
 from legorl.engines.vllm_server import VllmServer
 from legorl.protocols import (
+    ConfigError,
     ContextLengthError,
     EngineError,
     EngineRequestError,
@@ -80,7 +95,8 @@ _VLLM_MIN_TEMPERATURE = 0.01  # vLLM's SamplingParams raises lower (non-zero) on
 
 @dataclass(slots=True, kw_only=True)
 class VllmConfig:
-    # None: legorl launches a server on model_path (engines/vllm_server.py) and stops it on close
+    # None: legorl launches a server on model_path (engines/vllm_server.py) and stops it on close;
+    # several servers (replicas of one model): URL1,URL2,…
     base_url: str | None = None
     model_path: str | None = None  # the model folder (the CLI's --model): what a launch serves
     model: str | None = None  # served model name; None: the first one /v1/models lists
@@ -103,104 +119,45 @@ class VllmConfig:
     server_args: str = ""  # more vLLM flags, split like a shell line
     startup_timeout_s: float = 600.0
     log_path: str | None = None  # the server's log; None: a new temporary file
+    # ---- replicas (engines/replicas.py) ----
+    replicas: int = 1  # servers legorl launches (without base_url)
+    min_replicas: int | None = None  # replicas that must answer at start; None: all of them
+    gpus_per_replica: int = 0  # > 0: each launched replica gets its own CUDA_VISIBLE_DEVICES
+    devices: str | None = None  # GPUs to share out (0,1,…); None: $CUDA_VISIBLE_DEVICES, else 0..
+    relaunch: bool = True  # relaunch a launched replica that died (it rejoins after a sync)
+    health_interval_s: float = 2.0  # how often every replica's /health is probed; 0: never
+    health_timeout_s: float = 10.0  # a probe unanswered this long, twice: out of rotation
 
 
-class _Gate:
-    """Lets requests through unless a weight reload holds it shut, and counts them."""
+class VllmReplica:
+    """One vLLM server of the engine: its URL, the process when legorl launched it, and the HTTP
+    clients of the running event loop (the ``Replica`` transport of ``engines/replicas.py``)."""
 
-    def __init__(self) -> None:
-        self.active = 0
-        self.open = asyncio.Event()
-        self.open.set()
-        self.idle = asyncio.Event()
-        self.idle.set()
-
-    async def enter(self) -> None:
-        while not self.open.is_set():
-            await self.open.wait()
-        self.active += 1
-        self.idle.clear()
-
-    def leave(self) -> None:
-        self.active -= 1
-        if self.active == 0:
-            self.idle.set()
-
-
-class VllmEngine:
-    """A vLLM server behind the Engine protocol; see the module docstring."""
-
-    name = "vllm"
-    config_class: ClassVar[type] = VllmConfig
-
-    def __init__(self, config: VllmConfig) -> None:
-        self.server: VllmServer | None = None
-        if config.base_url is None:
-            config = dataclasses.replace(
-                config,
-                logprobs_mode=config.logprobs_mode or "processed_logprobs",
-                weight_reload=config.weight_reload or "collective_rpc",
-            )
-            self.server = VllmServer(config)
-            base_url = self.server.start()
-        else:
-            base_url = config.base_url
-        self.base_url = base_url.rstrip("/")
-        self._headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-        if self.server is None:
-            config = self._settle_modes(config)
+    def __init__(self, config: VllmConfig, url: str, server: VllmServer | None = None) -> None:
         self.config = config
-        self.policy_version = 0
-        model, max_context = config.model, config.max_context
-        try:
-            if model is None or max_context is None:
-                model, max_context = self._describe_server(model, max_context)
-        except BaseException:
-            self._stop_server()
-            raise
-        self.model = model
-        self.max_context = max_context
+        self.url = url.rstrip("/")
+        self.server = server
+        self.owned = server is not None
+        self.headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        self.model: str | None = config.model
+        self.max_context: int | None = config.max_context
         self._client: httpx.AsyncClient | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
         self._pool: Http1Pool | None = None
-        self._gate: _Gate | None = None
-        self._reload_lock: asyncio.Lock | None = None
+        self._closed = False
 
-    def _settle_modes(self, config: VllmConfig) -> VllmConfig:
-        """The log-prob mode and reload path of the server at ``base_url``: what its
-        ``/server_info`` says (dev mode), checked against what the config claims."""
-        mode, dev = self._server_logprobs_mode(config.timeout_s)
-        claimed = config.logprobs_mode
-        if mode is not None and mode not in ("raw_logprobs", "processed_logprobs"):
-            raise EngineError(
-                f"the vLLM server at {self.base_url} runs --logprobs-mode {mode}: legorl needs "
-                "raw_logprobs or processed_logprobs (the log-probs of the sampled tokens)"
-            )
-        if mode is not None and claimed is not None and claimed != mode:
-            raise EngineError(
-                f"the vLLM server at {self.base_url} runs --logprobs-mode {mode}, but "
-                f"logprobs_mode={claimed} was given: its log-probs would be read wrongly; drop "
-                "logprobs_mode (it is read from the server) or restart the server to match"
-            )
-        reload = config.weight_reload or ("collective_rpc" if dev else "none")
-        settled: LogprobsMode = claimed or (
-            "processed_logprobs" if mode == "processed_logprobs" else "raw_logprobs"
-        )
-        return dataclasses.replace(config, logprobs_mode=settled, weight_reload=reload)
+    # ---- start-up (blocking) ------------------------------------------------------------------
 
-    def _server_logprobs_mode(self, timeout: float) -> tuple[str | None, bool]:
+    def server_modes(self, timeout: float) -> tuple[str | None, bool]:
         """``(--logprobs-mode, dev mode)`` from ``GET /server_info``; ``(None, False)`` when the
         server is not in dev mode (then only the config can say)."""
-        url = f"{self.base_url}/server_info"
+        url = f"{self.url}/server_info"
         try:
             response = httpx.get(
-                url,
-                params={"config_format": "json"},
-                headers=self._headers,
-                timeout=timeout,
+                url, params={"config_format": "json"}, headers=self.headers, timeout=timeout
             )
         except httpx.HTTPError:
-            return None, False  # unreachable: _describe_server says so
+            return None, False  # unreachable: describe says so
         if response.status_code != 200:
             return None, False
         try:
@@ -209,20 +166,22 @@ class VllmEngine:
         except (ValueError, KeyError, TypeError):
             return None, True
 
-    def _describe_server(self, model: str | None, max_context: int | None) -> tuple[str, int]:
+    def describe(self, model: str | None, max_context: int | None) -> tuple[str, int]:
         """The served model's name and context length from ``GET /v1/models`` (blocking)."""
-        url = f"{self.base_url}/v1/models"
+        url = f"{self.url}/v1/models"
         try:
-            response = httpx.get(url, headers=self._headers, timeout=self.config.timeout_s)
+            response = httpx.get(url, headers=self.headers, timeout=self.config.timeout_s)
         except httpx.HTTPError as exc:
-            raise EngineError(f"vLLM server at {self.base_url} unreachable: {exc}") from exc
+            raise EngineError(f"vLLM server at {self.url} unreachable: {exc}") from exc
         if response.status_code != 200:
             raise EngineError(f"GET {url}: {_error_message(response)}")
         cards = response.json().get("data") or []
         card = next((c for c in cards if model is None or c.get("id") == model), None)
         if card is None:
             listed = ", ".join(str(c.get("id")) for c in cards) or "none"
-            raise EngineError(f"vLLM server serves no model {model!r} (it lists: {listed})")
+            raise EngineError(
+                f"vLLM server at {self.url} serves no model {model!r} (it lists: {listed})"
+            )
         if max_context is None:
             max_context = card.get("max_model_len")
             if not isinstance(max_context, int) or max_context <= 0:
@@ -231,81 +190,282 @@ class VllmEngine:
                 )
         return str(card["id"]), max_context
 
-    # ---------------------------------------------------------------------------------------
+    async def check_serving(self) -> None:
+        """A replica rejoining must serve the engine's model with its context length."""
+        model, context = await asyncio.to_thread(self.describe, self.model, None)
+        if self.config.max_context is None and context != self.max_context:
+            raise EngineError(
+                f"it serves {model!r} with max_model_len {context}, not {self.max_context}"
+            )
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[list[TokenStep]]:
-        prompt = request.prompt_ids
-        if not prompt:
-            raise EngineRequestError("empty prompt: at least one token is needed")
-        if len(prompt) >= self.max_context:
-            raise ContextLengthError(len(prompt), self.max_context)
-        self._check_logprob_semantics(request)
-        client, gate = self._session()
-        body = self._body(request)
-        url = f"{self.base_url}/v1/completions"
-        await gate.enter()
+    # ---- the event loop's clients -------------------------------------------------------------
+
+    def _clients(self) -> tuple[httpx.AsyncClient, Http1Pool | None]:
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._client_loop is not loop:
+            # an AsyncClient's connections belong to one loop; a new loop gets a new client
+            self._client = httpx.AsyncClient(
+                headers=self.headers,
+                timeout=httpx.Timeout(self.config.timeout_s, connect=30.0),
+            )
+            self._client_loop = loop
+            # non-streamed completions go through a lean client (engines/http1.py)
+            self._pool = (
+                Http1Pool(self.url, headers=self.headers, timeout_s=self.config.timeout_s)
+                if supports(self.url)
+                else None
+            )
+        return self._client, self._pool
+
+    # ---- the Replica transport ----------------------------------------------------------------
+
+    async def stream(self, request: GenerationRequest) -> AsyncIterator[list[TokenStep]]:
+        body = _body(request, self.model or "", self.max_context or 0, self.config.stream)
+        client, pool = self._clients()
+        url = f"{self.url}/v1/completions"
+        prompt_len = len(request.prompt_ids)
         try:
-            if not body["stream"] and self._pool is not None:
-                status, answer = await self._pool.post("/v1/completions", orjson.dumps(body))
+            if not body["stream"] and pool is not None:
+                status, answer = await pool.post("/v1/completions", orjson.dumps(body))
                 if status != 200:
-                    raise self._status_error(status, _body_message(answer), len(prompt))
-                steps = _steps_of(orjson.loads(answer))
+                    raise self._status_error(status, _body_message(answer), prompt_len)
+                steps = self._steps(orjson.loads(answer))
                 if steps:
                     yield steps
             elif body["stream"]:
                 async with client.stream("POST", url, json=body) as response:
                     if response.status_code != 200:
                         await response.aread()
-                        raise self._http_error(response, len(prompt))
+                        raise self._http_error(response, prompt_len)
+                    done = False
                     async for line in response.aiter_lines():
                         if not line.startswith("data:"):
                             continue
                         data = line[5:].strip()
                         if data == "[DONE]":
+                            done = True
                             break
-                        steps = _steps_of(orjson.loads(data))
+                        steps = self._steps(orjson.loads(data))
                         if steps:
                             yield steps
+                    if not done:  # the connection closed mid-stream: the server went away
+                        raise ReplicaFailure(
+                            f"vLLM at {self.url} closed the stream before its end", certain=True
+                        )
             else:
                 response = await client.post(url, json=body)
                 if response.status_code != 200:
-                    raise self._http_error(response, len(prompt))
-                steps = _steps_of(orjson.loads(response.content))
+                    raise self._http_error(response, prompt_len)
+                steps = self._steps(orjson.loads(response.content))
                 if steps:
                     yield steps
         except (httpx.HTTPError, OSError, TimeoutError) as exc:
-            raise EngineError(f"vLLM request to {url} failed: {exc!r}") from exc
-        finally:
-            gate.leave()
+            raise ReplicaFailure(f"vLLM request to {url} failed: {exc!r}", certain=True) from exc
+
+    def _steps(self, payload: dict[str, Any]) -> list[TokenStep]:
+        try:
+            return _steps_of(payload)
+        except _ServerEnded as exc:  # an aborted or failed request: the server may be ending
+            raise ReplicaFailure(f"vLLM at {self.url}: {exc}", certain=False) from None
+
+    def _http_error(self, response: httpx.Response, prompt_len: int) -> EngineError:
+        return self._status_error(response.status_code, _error_message(response), prompt_len)
+
+    def _status_error(self, status: int, message: str, prompt_len: int) -> EngineError:
+        lowered = message.lower()
+        if status == 400 and ("context length" in lowered or "max_model_len" in lowered):
+            return ContextLengthError(prompt_len, self.max_context or 0)
+        if status in (400, 413, 422):  # what the request asked, refused
+            return EngineRequestError(f"vLLM answered {status}: {message}")
+        # the server's own failure (or a proxy's before it): its /health decides
+        return ReplicaFailure(f"vLLM at {self.url} answered {status}: {message}", certain=False)
+
+    async def probe(self, timeout: float) -> bool | None:
+        client, _ = self._clients()
+        try:
+            response = await client.get(f"{self.url}/health", timeout=timeout)
+        except httpx.TimeoutException:
+            return None
+        except (httpx.HTTPError, OSError):
+            return False
+        return response.status_code == 200
+
+    async def reload(self, path: str) -> None:
+        # the workers load the checkpoint at path in place (and serve from it after)
+        reload = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
+        await self._post("/collective_rpc", reload)
+
+    async def reset_cache(self) -> None:
+        await self._post("/reset_prefix_cache", None)
+
+    async def _post(self, path: str, body: Any) -> None:
+        client, _ = self._clients()
+        url = f"{self.url}{path}"
+        try:
+            response = (
+                await client.post(url, json=body) if body is not None else await client.post(url)
+            )
+        except httpx.HTTPError as exc:
+            raise EngineError(f"POST {url} failed: {exc}") from exc
+        if response.status_code != 200:
+            hint = (
+                " (is the server running with VLLM_SERVER_DEV_MODE=1?)"
+                if response.status_code == 404
+                else ""
+            )
+            raise EngineError(f"POST {url}: {_error_message(response)}{hint}")
+
+    def alive(self) -> bool:
+        return self.server is None or self.server.alive()
+
+    def relaunch(self) -> None:
+        """Start the legorl-owned server again, on its old port if it is free (blocking)."""
+        if self.server is None or self._closed:
+            return
+        self.server.stop()
+        url = self.server.start(port=self.server.port)
+        if self._closed:  # the engine closed while this one started
+            self.server.stop()
+            return
+        self.url = url
+
+    async def aclose(self) -> None:
+        self._closed = True
+        client, self._client = self._client, None
+        pool, self._pool = self._pool, None
+        if client is not None and self._client_loop is asyncio.get_running_loop():
+            await client.aclose()
+            if pool is not None:
+                await pool.close()
+        if self.server is not None:
+            await asyncio.to_thread(self.server.stop)
+
+    def stop_server(self) -> None:
+        self._closed = True
+        if self.server is not None:
+            self.server.stop()
+
+
+class VllmEngine(Fleet):
+    """vLLM servers behind the Engine protocol; see the module docstring."""
+
+    name = "vllm"
+    config_class: ClassVar[type] = VllmConfig
+    label = "vLLM"
+
+    def __init__(self, config: VllmConfig) -> None:
+        urls = _urls(config.base_url)
+        if urls and config.replicas != 1:
+            raise ConfigError(
+                f"replicas={config.replicas} launches servers: give it without base_url, or "
+                f"list the servers in base_url (it names {len(urls)})"
+            )
+        if config.replicas < 1:
+            raise ConfigError(f"replicas: must be >= 1, got {config.replicas}")
+        wanted = len(urls) if urls else config.replicas
+        least = wanted if config.min_replicas is None else config.min_replicas
+        if not 1 <= least <= wanted:
+            raise ConfigError(f"min_replicas: must be between 1 and {wanted}, got {least}")
+        if urls:
+            replicas = [VllmReplica(config, url) for url in urls]
+            answers = _each(replicas, lambda r: _connect(r, config))
+        else:
+            config = dataclasses.replace(
+                config,
+                logprobs_mode=config.logprobs_mode or "processed_logprobs",
+                weight_reload=config.weight_reload or "collective_rpc",
+            )
+            replicas = [VllmReplica(config, "", s) for s in _servers(config, wanted)]
+            answers = _each(replicas, lambda r: _launch(r, config))
+        up = [not isinstance(a, BaseException) for a in answers]
+        try:
+            config, model, max_context = self._settle(config, replicas, answers, least)
+        except BaseException:
+            for replica in replicas:
+                replica.stop_server()
+            raise
+        for replica in replicas:
+            replica.config, replica.model, replica.max_context = config, model, max_context
+        self.config = config
+        self.model = model
+        self.max_context = max_context
+        super().__init__(
+            list(replicas),
+            up=up,
+            health_interval_s=config.health_interval_s,
+            health_timeout_s=config.health_timeout_s,
+            relaunch=config.relaunch,
+            can_reload=config.weight_reload == "collective_rpc",
+        )
+        self.replicas = replicas
+
+    @staticmethod
+    def _settle(
+        config: VllmConfig,
+        replicas: list[VllmReplica],
+        answers: list[Any],
+        least: int,
+    ) -> tuple[VllmConfig, str, int]:
+        """The config, model and context all answering replicas agree on; the ones that did not
+        answer named in one line each; ``EngineError`` if fewer than ``least`` answered."""
+        good = [
+            (r, a)
+            for r, a in zip(replicas, answers, strict=True)
+            if not isinstance(a, BaseException)
+        ]
+        bad = [
+            (r, a) for r, a in zip(replicas, answers, strict=True) if isinstance(a, BaseException)
+        ]
+        if len(good) < least:
+            if len(replicas) == 1:
+                raise answers[0]
+            named = "; ".join(f"{r.url or 'a launched replica'}: {a}" for r, a in bad)
+            raise EngineError(
+                f"{len(good)} of {len(replicas)} vLLM replicas answer, min_replicas={least}: "
+                f"{named}"
+            )
+        for replica, err in bad:
+            print(
+                f"legorl: vLLM replica {replica.url or '(launch)'} does not answer, going on "
+                f"with {len(good)} of {len(replicas)} (min_replicas={least}): {err}",
+                file=sys.stderr,
+                flush=True,
+            )
+        first, (settled, model, max_context) = good[0]
+        for replica, (other, their_model, their_context) in good[1:]:
+            seen = (other.logprobs_mode, other.weight_reload, their_model, their_context)
+            if seen != (settled.logprobs_mode, settled.weight_reload, model, max_context):
+                raise EngineError(
+                    f"the vLLM replicas differ: {first.url} serves {model!r} (max_model_len "
+                    f"{max_context}, {settled.logprobs_mode}, reload {settled.weight_reload}), "
+                    f"{replica.url} serves {their_model!r} (max_model_len {their_context}, "
+                    f"{other.logprobs_mode}, reload {other.weight_reload}): give one model's "
+                    "servers, started alike"
+                )
+        return settled, model, max_context
+
+    # ---- what one server was (the bench and tests read these) ----------------------------------
+
+    @property
+    def base_url(self) -> str:
+        return self.replicas[0].url
+
+    @property
+    def server(self) -> VllmServer | None:
+        return self.replicas[0].server
 
     def _body(self, request: GenerationRequest) -> dict[str, Any]:
-        room = self.max_context - len(request.prompt_ids)
-        body: dict[str, Any] = {
-            "model": self.model,
-            "prompt": list(request.prompt_ids),
-            "max_tokens": min(request.max_tokens, room),
-            "temperature": request.temperature,
-            "top_p": request.top_p,
-            # explicit, so the server's generation_config defaults cannot change the sampler
-            "top_k": 0,
-            "min_p": 0.0,
-            "repetition_penalty": 1.0,
-            "presence_penalty": 0.0,
-            "frequency_penalty": 0.0,
-            "n": 1,
-            "stop_token_ids": list(request.stop_token_ids),
-            "ignore_eos": True,  # stop only where the request says
-            "skip_special_tokens": False,
-            "logprobs": 0,  # the sampled token's log-prob, no alternatives
-            "return_token_ids": True,
-            "return_tokens_as_token_ids": True,
-            # a caller that waits for the whole completion gets it in one answer: one JSON
-            # body instead of an event per token, for the server and for this client
-            "stream": self.config.stream and request.stream,
-        }
-        if request.seed is not None:
-            body["seed"] = request.seed
-        return body
+        return _body(request, self.model, self.max_context, self.config.stream)
+
+    # ---------------------------------------------------------------------------------------
+
+    def admit(self, request: GenerationRequest) -> None:
+        prompt = request.prompt_ids
+        if not prompt:
+            raise EngineRequestError("empty prompt: at least one token is needed")
+        if len(prompt) >= self.max_context:
+            raise ContextLengthError(len(prompt), self.max_context)
+        self._check_logprob_semantics(request)
 
     def _check_logprob_semantics(self, request: GenerationRequest) -> None:
         t, top_p, mode = request.temperature, request.top_p, self.config.logprobs_mode
@@ -329,40 +489,6 @@ class VllmEngine:
                 f"(greedy) or >= {_VLLM_MIN_TEMPERATURE}"
             )
 
-    def _http_error(self, response: httpx.Response, prompt_len: int) -> EngineError:
-        return self._status_error(response.status_code, _error_message(response), prompt_len)
-
-    def _status_error(self, status: int, message: str, prompt_len: int) -> EngineError:
-        lowered = message.lower()
-        if status == 400 and ("context length" in lowered or "max_model_len" in lowered):
-            return ContextLengthError(prompt_len, self.max_context)
-        if status in (400, 413, 422):  # what the request asked, refused
-            return EngineRequestError(f"vLLM answered {status}: {message}")
-        return EngineError(f"vLLM answered {status}: {message}")
-
-    def _session(self) -> tuple[httpx.AsyncClient, _Gate]:
-        """The HTTP client and request gate of the running event loop (made on first use)."""
-        loop = asyncio.get_running_loop()
-        if self._client is None or self._client_loop is not loop:
-            # an AsyncClient's connections belong to one loop; a new loop gets a new client
-            self._client = httpx.AsyncClient(
-                headers=self._headers,
-                timeout=httpx.Timeout(self.config.timeout_s, connect=30.0),
-            )
-            self._client_loop = loop
-            # non-streamed completions go through a lean client (engines/http1.py)
-            self._pool = (
-                Http1Pool(self.base_url, headers=self._headers, timeout_s=self.config.timeout_s)
-                if supports(self.base_url)
-                else None
-            )
-            self._gate = _Gate()
-            self._reload_lock = asyncio.Lock()
-        assert self._gate is not None
-        return self._client, self._gate
-
-    # ---------------------------------------------------------------------------------------
-
     async def load_weights(self, path: str) -> int:
         if self.config.weight_reload == "none":
             raise NotImplementedError(
@@ -370,62 +496,156 @@ class VllmEngine:
                 "server with VLLM_SERVER_DEV_MODE=1 and make this engine with "
                 'weight_reload="collective_rpc" (or restart the server on the new checkpoint)'
             )
-        client, gate = self._session()
-        assert self._reload_lock is not None
-        async with self._reload_lock:
-            gate.open.clear()  # new requests wait here
-            try:
-                await gate.idle.wait()  # requests in flight finish under the old weights
-                # the workers load the checkpoint at path in place (and serve from it after)
-                reload = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
-                await self._post(client, "/collective_rpc", reload)
-                await self._post(client, "/reset_prefix_cache", None)
-                self.policy_version += 1
-            finally:
-                gate.open.set()
-        return self.policy_version
+        return await super().load_weights(path)
 
-    async def _post(self, client: httpx.AsyncClient, path: str, body: Any) -> None:
-        url = f"{self.base_url}{path}"
+
+def _urls(base_url: str | None) -> list[str]:
+    if base_url is None:
+        return []
+    urls = [u.strip().rstrip("/") for u in base_url.split(",") if u.strip()]
+    if not urls:
+        raise ConfigError(f"base_url: no server URL in {base_url!r}")
+    return urls
+
+
+def _each(replicas: list[VllmReplica], start: Any) -> list[Any]:
+    """``start(replica)`` for every replica at once (threads): its answer or its exception."""
+    if len(replicas) == 1:
         try:
-            response = (
-                await client.post(url, json=body) if body is not None else await client.post(url)
-            )
-        except httpx.HTTPError as exc:
-            raise EngineError(f"POST {url} failed: {exc}") from exc
-        if response.status_code != 200:
-            hint = (
-                " (is the server running with VLLM_SERVER_DEV_MODE=1?)"
-                if response.status_code == 404
-                else ""
-            )
-            raise EngineError(f"POST {url}: {_error_message(response)}{hint}")
+            return [start(replicas[0])]
+        except Exception as exc:  # returned, and raised by _settle
+            return [exc]
+    with concurrent.futures.ThreadPoolExecutor(len(replicas)) as pool:
+        futures = [pool.submit(start, r) for r in replicas]
+        answers: list[Any] = []
+        for future in futures:
+            try:
+                answers.append(future.result())
+            except Exception as exc:
+                answers.append(exc)
+        return answers
 
-    async def close(self) -> None:
-        client, self._client = self._client, None
-        pool, self._pool = self._pool, None
-        if client is not None and self._client_loop is asyncio.get_running_loop():
-            await client.aclose()
-            if pool is not None:
-                await pool.close()
-        if self.server is not None:
-            await asyncio.to_thread(self._stop_server)
 
-    def _stop_server(self) -> None:
-        if self.server is not None:
-            self.server.stop()
+def _connect(replica: VllmReplica, config: VllmConfig) -> tuple[VllmConfig, str, int]:
+    settled = _settle_modes(replica, config)
+    model, max_context = config.model, config.max_context
+    if model is None or max_context is None:
+        model, max_context = replica.describe(model, max_context)
+    return settled, model, max_context
+
+
+def _launch(replica: VllmReplica, config: VllmConfig) -> tuple[VllmConfig, str, int]:
+    assert replica.server is not None
+    replica.url = replica.server.start()
+    model, max_context = config.model, config.max_context
+    if model is None or max_context is None:
+        model, max_context = replica.describe(model, max_context)
+    return config, model, max_context
+
+
+def _settle_modes(replica: VllmReplica, config: VllmConfig) -> VllmConfig:
+    """The log-prob mode and reload path of the server at ``replica.url``: what its
+    ``/server_info`` says (dev mode), checked against what the config claims."""
+    mode, dev = replica.server_modes(config.timeout_s)
+    claimed = config.logprobs_mode
+    if mode is not None and mode not in ("raw_logprobs", "processed_logprobs"):
+        raise EngineError(
+            f"the vLLM server at {replica.url} runs --logprobs-mode {mode}: legorl needs "
+            "raw_logprobs or processed_logprobs (the log-probs of the sampled tokens)"
+        )
+    if mode is not None and claimed is not None and claimed != mode:
+        raise EngineError(
+            f"the vLLM server at {replica.url} runs --logprobs-mode {mode}, but "
+            f"logprobs_mode={claimed} was given: its log-probs would be read wrongly; drop "
+            "logprobs_mode (it is read from the server) or restart the server to match"
+        )
+    reload = config.weight_reload or ("collective_rpc" if dev else "none")
+    settled: LogprobsMode = claimed or (
+        "processed_logprobs" if mode == "processed_logprobs" else "raw_logprobs"
+    )
+    return dataclasses.replace(config, logprobs_mode=settled, weight_reload=reload)
+
+
+def _servers(config: VllmConfig, n: int) -> list[VllmServer]:
+    """The ``n`` servers to launch, each with its log and its GPUs (``replica_devices``)."""
+    devices = replica_devices(n, config.gpus_per_replica, config.devices)
+    servers = []
+    for i in range(n):
+        log = config.log_path
+        if log is not None and i > 0:
+            path = Path(log)
+            log = str(path.with_name(f"{path.stem}.{i}{path.suffix}"))
+        servers.append(VllmServer(dataclasses.replace(config, log_path=log), devices=devices[i]))
+    return servers
+
+
+def replica_devices(n: int, per_replica: int, devices: str | None) -> list[str | None]:
+    """The ``CUDA_VISIBLE_DEVICES`` of each of ``n`` launched replicas: ``per_replica`` GPUs
+    each, in order, from ``devices`` (else ``$CUDA_VISIBLE_DEVICES``, else 0, 1, …); None for
+    all when ``per_replica`` is 0 (CPU, or one replica that sees what legorl sees)."""
+    if per_replica < 0:
+        raise ConfigError(f"gpus_per_replica: must be >= 0, got {per_replica}")
+    if per_replica == 0:
+        return [None] * n
+    listed = devices if devices is not None else os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = (
+        [d.strip() for d in listed.split(",") if d.strip()]
+        if listed is not None
+        else [str(i) for i in range(n * per_replica)]
+    )
+    if len(ids) < n * per_replica:
+        raise ConfigError(
+            f"gpus_per_replica={per_replica} x replicas={n} needs {n * per_replica} GPUs, but "
+            f"only {len(ids)} are given ({','.join(ids) or 'none'}; devices= or "
+            "$CUDA_VISIBLE_DEVICES)"
+        )
+    return [",".join(ids[i * per_replica : (i + 1) * per_replica]) for i in range(n)]
+
+
+def _body(request: GenerationRequest, model: str, max_context: int, stream: bool) -> dict[str, Any]:
+    room = max_context - len(request.prompt_ids)
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": list(request.prompt_ids),
+        "max_tokens": min(request.max_tokens, room),
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        # explicit, so the server's generation_config defaults cannot change the sampler
+        "top_k": 0,
+        "min_p": 0.0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "n": 1,
+        "stop_token_ids": list(request.stop_token_ids),
+        "ignore_eos": True,  # stop only where the request says
+        "skip_special_tokens": False,
+        "logprobs": 0,  # the sampled token's log-prob, no alternatives
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        # a caller that waits for the whole completion gets it in one answer: one JSON
+        # body instead of an event per token, for the server and for this client
+        "stream": stream and request.stream,
+    }
+    if request.seed is not None:
+        body["seed"] = request.seed
+    return body
+
+
+class _ServerEnded(EngineError):
+    """vLLM ended a request with an error or an abort (the server may be going down)."""
 
 
 def _steps_of(payload: dict[str, Any]) -> list[TokenStep]:
     """The sampled tokens and log-probs in one completion response or stream chunk."""
     if "error" in payload:
-        raise EngineError(f"vLLM stream error: {_message_of(payload)}")
+        raise _ServerEnded(f"vLLM stream error: {_message_of(payload)}")
     choices = payload.get("choices") or []
     if not choices:
         return []  # e.g. the closing usage chunk
     choice = choices[0]
     if choice.get("finish_reason") in ("abort", "error"):
-        raise EngineError(f"vLLM ended the request with finish_reason {choice['finish_reason']!r}")
+        raise _ServerEnded(f"vLLM ended the request with finish_reason {choice['finish_reason']!r}")
     logprobs = choice.get("logprobs") or {}
     values = logprobs.get("token_logprobs") or []
     ids = choice.get("token_ids")

@@ -198,8 +198,10 @@ def server_command(config: VllmConfig, python: str, model: Path, port: int) -> l
     return cmd
 
 
-def server_env() -> dict[str, str]:
+def server_env(devices: str | None = None) -> dict[str, str]:
     env = dict(os.environ)
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = devices  # this replica's GPUs
     env.update(
         VLLM_SERVER_DEV_MODE="1",  # /collective_rpc and /reset_prefix_cache, for weight reloads
         VLLM_NO_USAGE_STATS="1",
@@ -224,8 +226,9 @@ def log_tail(path: Path, lines: int = _LOG_TAIL_LINES) -> str:
 class VllmServer:
     """One vLLM server that legorl started and stops (``start``, ``url``, ``stop``)."""
 
-    def __init__(self, config: VllmConfig) -> None:
+    def __init__(self, config: VllmConfig, *, devices: str | None = None) -> None:
         self.config = config
+        self.devices = devices  # its CUDA_VISIBLE_DEVICES (one replica's GPUs); None: as legorl's
         self.python, info = find_vllm_python(config.python)
         self.dist: str | None = info.get("dist")
         self.version: str | None = info.get("version")
@@ -244,9 +247,10 @@ class VllmServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> str:
-        """Start the server and wait until it is healthy; returns its URL."""
-        self.port = free_port()
+    def start(self, port: int = 0) -> str:
+        """Start the server (on ``port``; 0: a free one) and wait until it is healthy; returns
+        its URL."""
+        self.port = port or free_port()
         cmd = server_command(self.config, self.python, self.model, self.port)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         guard = [
@@ -271,7 +275,7 @@ class VllmServer:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=server_env(),
+                env=server_env(self.devices),
                 process_group=0,
             )
         self._finalizer = weakref.finalize(self, _stop_group, self.proc)

@@ -56,6 +56,7 @@ from legorl.protocols import (
     EngineError,
     EngineRequestError,
     GenerationRequest,
+    Placement,
 )
 from legorl.proxy.chat import (
     ApiError,
@@ -73,7 +74,15 @@ from legorl.proxy.parse import Detokenizer, OutputParser
 from legorl.proxy.session import Generated, PromptPlan, Session
 from legorl.proxy.tokens import ChatTokenizer
 from legorl.proxy.wire import WIRES
-from legorl.records import JsonlWriter, SessionReport, ToolCall, Turn, TurnFlags, TurnOutput
+from legorl.records import (
+    Failover,
+    JsonlWriter,
+    SessionReport,
+    ToolCall,
+    Turn,
+    TurnFlags,
+    TurnOutput,
+)
 
 _OPEN_TURN_FILES = 256  # Turn files kept open at once; older ones are reopened when needed
 _SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -592,6 +601,7 @@ class ProxyCore:
                     reason,
                     version,
                     max_tokens,
+                    gen_req.placement,
                     {
                         **meta,
                         "first_token_s": first_token_s,
@@ -627,6 +637,7 @@ class ProxyCore:
         reason: str,
         version: int,
         max_tokens: int,
+        placement: Placement,
         meta: dict[str, float],
     ) -> None:
         session_id = session.id
@@ -667,6 +678,15 @@ class ProxyCore:
             parent_session=session_id if plan.sub.aux else None,
             timings={k: round(v, 6) for k, v in meta.items()},
             time=arrived,
+            replica=placement.replica,
+            failover=Failover(
+                failed=list(placement.failed),
+                reprefilled_tokens=placement.reprefilled_tokens,
+                resumed_at=placement.resumed_at,
+                stalled_s=round(placement.stalled_s, 6),
+            )
+            if placement.failed
+            else None,
         )
         writer = self._writers.pop(session_id, None)
         if writer is None:
