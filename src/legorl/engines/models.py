@@ -101,7 +101,21 @@ def reload_weights(model: PreTrainedModel, path: str | Path) -> None:
             f"{type(model).__name__}: load_weights needs the same architecture"
         )
     # strict: a missing or extra tensor, or a shape mismatch, is an error, not a silent partial load
-    model.load_state_dict(fresh.state_dict(), strict=True)
+    own = model.state_dict()
+    if not any(".base_layer." in k for k in own):
+        model.load_state_dict(fresh.state_dict(), strict=True)
+        del fresh
+        return
+    # LoRA layers wrap the linear ones (engines/adapters.py): the base tensors are renamed
+    import torch
+
+    base = {k.replace(".base_layer.", "."): v for k, v in own.items() if ".lora_" not in k}
+    new = fresh.state_dict()
+    if base.keys() != new.keys() or any(base[k].shape != new[k].shape for k in new):
+        raise ValueError(f"checkpoint {path}: its tensors do not match the served model's")
+    with torch.no_grad():
+        for key, value in new.items():
+            base[key].copy_(value)
     del fresh
 
 

@@ -48,6 +48,18 @@ be a full model folder in the served model's layout, as ``legorl train`` writes 
 mode vLLM has no HTTP way to swap weights, and ``load_weights`` raises ``NotImplementedError``
 saying so. Other clients of the same server are not drained: give the engine its own server.
 
+LoRA adapters (``lora=true`` for a launched server: ``--enable-lora``, ``--max-loras``,
+``--max-lora-rank`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``): ``load_weights`` with a PEFT
+adapter folder, or ``load_adapter(name, path)``, drains the client's requests like a reload and
+calls ``POST /v1/load_lora_adapter`` under a new name for every version (``policy-v3``), then
+unloads the version before it. A new name is a new LoRA id in vLLM: it reads the folder once,
+at that call (never ``load_inplace``, which re-reads it from disk on every step: vLLM #33791),
+and no prefix-cache block computed under an earlier version can be reused for it (a same-name
+reload can: vLLM #42125), so no prefix-cache reset is needed. Requests then name that version as
+their ``model``. An adapter trained on another base than the served model is refused, naming
+both; ``max_loras`` must cover the versions in flight at once (1 per adapter when each swap
+drains, as here; K + 1 for a loop K steps off-policy).
+
 Without ``base_url`` legorl launches the server itself and stops it on ``close``
 (``engines/vllm_server.py``).
 """
@@ -55,18 +67,22 @@ Without ``base_url`` legorl launches the server itself and stops it on ``close``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import httpx
 import orjson
 
+from legorl.engines.adapters import AdapterError, check_base, is_adapter, read_adapter
 from legorl.engines.http1 import Http1Pool, supports
 from legorl.engines.vllm_server import VllmServer
 from legorl.protocols import (
+    POLICY_ADAPTER,
     ContextLengthError,
     EngineError,
     EngineRequestError,
@@ -100,6 +116,10 @@ class VllmConfig:
     kv_cache_memory: str = "1G"  # --kv-cache-memory-bytes; raise it on a GPU host
     enforce_eager: bool = True
     chunked_prefill: bool = False  # True only where seeded requests are not split (not on CPU)
+    # LoRA adapters at run time (see the module docstring); the two limits are vLLM's own
+    lora: bool = False
+    max_loras: int = 2  # adapters (versions) one batch may mix
+    max_lora_rank: int = 16
     server_args: str = ""  # more vLLM flags, split like a shell line
     startup_timeout_s: float = 600.0
     log_path: str | None = None  # the server's log; None: a new temporary file
@@ -151,6 +171,9 @@ class VllmEngine:
             config = self._settle_modes(config)
         self.config = config
         self.policy_version = 0
+        self.policy_adapter: str | None = None
+        self.adapter_versions: dict[str, int] = {}
+        self._lora_names: dict[str, str] = {}  # adapter -> the vLLM LoRA name of its version
         model, max_context = config.model, config.max_context
         try:
             if model is None or max_context is None:
@@ -240,10 +263,16 @@ class VllmEngine:
         if len(prompt) >= self.max_context:
             raise ContextLengthError(len(prompt), self.max_context)
         self._check_logprob_semantics(request)
+        adapter = request.adapter
+        if adapter is not None and adapter not in self.adapter_versions:
+            loaded = ", ".join(sorted(self.adapter_versions)) or "none"
+            raise EngineRequestError(f"adapter {adapter!r} is not loaded (loaded: {loaded})")
         client, gate = self._session()
         body = self._body(request)
         url = f"{self.base_url}/v1/completions"
         await gate.enter()
+        # after the gate: a swap that held this request back changed the served version
+        body["model"] = self._lora_names.get(adapter or self.policy_adapter or "", self.model)
         try:
             if not body["stream"] and self._pool is not None:
                 status, answer = await self._pool.post("/v1/completions", orjson.dumps(body))
@@ -364,6 +393,9 @@ class VllmEngine:
     # ---------------------------------------------------------------------------------------
 
     async def load_weights(self, path: str) -> int:
+        if is_adapter(path):
+            await self._load_lora(POLICY_ADAPTER, path)
+            return self.policy_version
         if self.config.weight_reload == "none":
             raise NotImplementedError(
                 "vLLM swaps weights over HTTP only through its development endpoints: start the "
@@ -381,9 +413,88 @@ class VllmEngine:
                 await self._post(client, "/collective_rpc", reload)
                 await self._post(client, "/reset_prefix_cache", None)
                 self.policy_version += 1
+                self.policy_adapter = None  # the full weights are the policy now
+                self.adapter_versions.pop(POLICY_ADAPTER, None)
+                old = self._lora_names.pop(POLICY_ADAPTER, None)
+                if old is not None:
+                    await self._unload_lora(client, old)
             finally:
                 gate.open.set()
         return self.policy_version
+
+    async def load_adapter(self, name: str, path: str) -> int:
+        return await self._load_lora(name, path)
+
+    async def _load_lora(self, name: str, path: str) -> int:
+        """Load the adapter folder ``path`` as the next version of ``name``."""
+        if self.server is not None and not self.config.lora:
+            raise EngineRequestError(
+                "this vLLM server was launched without LoRA support, but an adapter was asked "
+                f"for ({path}): make the engine with lora=true (--engine-opt lora=true)"
+            )
+        try:
+            info = read_adapter(path)
+            if self.config.model_path is not None:
+                check_base(info, self.config.model_path)
+            elif info.base.name != Path(self.model).name:
+                raise AdapterError(
+                    f"adapter {info.path} was trained on base model {info.base}, but the vLLM "
+                    f"server serves {self.model!r}"
+                )
+        except AdapterError as exc:
+            raise EngineRequestError(str(exc)) from None
+        if self.server is not None and info.rank > self.config.max_lora_rank:
+            raise EngineRequestError(
+                f"adapter {info.path} has rank {info.rank}; the server takes at most "
+                f"max_lora_rank={self.config.max_lora_rank}"
+            )
+        client, gate = self._session()
+        assert self._reload_lock is not None
+        async with self._reload_lock:
+            gate.open.clear()
+            try:
+                await gate.idle.wait()
+                version = (
+                    self.policy_version + 1
+                    if name == POLICY_ADAPTER
+                    else self.adapter_versions.get(name, 0) + 1
+                )
+                lora_name = f"{name}-v{version}"
+                body = {"lora_name": lora_name, "lora_path": str(info.path)}
+                await self._post_lora(client, "/v1/load_lora_adapter", body)
+                old = self._lora_names.get(name)
+                self._lora_names[name] = lora_name
+                self.adapter_versions[name] = version
+                if name == POLICY_ADAPTER:
+                    self.policy_version = version
+                    self.policy_adapter = POLICY_ADAPTER
+                if old is not None:
+                    await self._unload_lora(client, old)
+            finally:
+                gate.open.set()
+        return version
+
+    async def _post_lora(self, client: httpx.AsyncClient, path: str, body: Any) -> None:
+        url = f"{self.base_url}{path}"
+        try:
+            response = await client.post(url, json=body)
+        except httpx.HTTPError as exc:
+            raise EngineError(f"POST {url} failed: {exc}") from exc
+        if response.status_code == 200:
+            return
+        message = _error_message(response)
+        if response.status_code == 404 or "lora is not enabled" in message.lower():
+            raise EngineRequestError(
+                f"the vLLM server at {self.base_url} has no runtime LoRA loading (POST {path}: "
+                f"{response.status_code} {message}): start it with --enable-lora and "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (a launched server: lora=true)"
+            )
+        raise EngineError(f"POST {url}: {message}")
+
+    async def _unload_lora(self, client: httpx.AsyncClient, lora_name: str) -> None:
+        """Drop a superseded version from the server's list (it has no request left)."""
+        with contextlib.suppress(EngineError):
+            await self._post_lora(client, "/v1/unload_lora_adapter", {"lora_name": lora_name})
 
     async def _post(self, client: httpx.AsyncClient, path: str, body: Any) -> None:
         url = f"{self.base_url}{path}"
