@@ -244,3 +244,51 @@ def test_two_processes_train_the_same_adapter_as_one(samples, tmp_path: Path) ->
     assert a.keys() == b.keys()
     assert max(float(v.abs().max()) for k, v in a.items() if ".lora_B." in k) > 1e-3
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
+
+
+def test_push_ships_the_adapter_and_turns_record_it(samples, tmp_path: Path) -> None:
+    import sys
+
+    import httpx
+    from safetensors.torch import load_file
+    from train_helpers import ROOT
+
+    sys.path.insert(0, str(ROOT / "tests" / "proxy"))
+    from proxy_harness import running_proxy
+
+    from legorl.records import segment_prompts
+
+    data = tmp_path / "samples.jsonl"
+    write_jsonl(data, samples)
+    body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    ckpt = tmp_path / "ckpt"
+    with running_proxy(tmp_path / "turns", [], engine="embedded", admin_token="t0k") as proxy:
+        for step in (1, 2):
+            pushed = legorl("train", str(data), "--model", str(ckpt if step > 1 else MODEL),
+                            "--out", str(ckpt), "--push", proxy.url, "--push-token", "t0k",
+                            "lora=true", "lora_rank=4", "lr=3e-2")  # fmt: skip
+            assert pushed.returncode == 0, pushed.stderr.decode()
+            assert f"policy version {step}" in pushed.stderr.decode()
+        engine = proxy.core.engine
+        assert (engine.policy_adapter, engine.adapter_versions) == ("policy", {"policy": 2})
+        resp = httpx.post(f"{proxy.url}/s/after/v1/chat/completions", json=body, timeout=60)
+        assert resp.status_code == 200, resp.text
+        (turn,) = proxy.turns("after")
+    assert (turn.policy_version, turn.adapter, turn.adapter_version) == (2, "policy", 2)
+    # what moved: the adapter's megabytes, not the model's
+    shipped = sum(p.stat().st_size for p in ckpt.glob("adapter_*"))
+    assert shipped < (MODEL / "model.safetensors").stat().st_size
+    assert all("lora_" in k for k in load_file(str(ckpt / "adapter_model.safetensors")))
+    ((_, prompt),) = segment_prompts([turn])
+    (scored,) = peft_logprobs_of(ckpt, prompt, turn.completion_ids)
+    gaps = [abs(a - b) for a, b in zip(scored, turn.completion_logprobs, strict=True)]
+    assert max(gaps) < 1e-4
+
+
+def peft_logprobs_of(adapter: Path, prompt: list[int], ids: list[int]) -> list[list[float]]:
+    from legorl.records import Sample
+
+    one = Sample(sample_id="x", episode_id="x", group_id="x", segment_index=0, segment_count=1,
+                 input_ids=prompt + ids, loss_mask=[0] * len(prompt) + [1] * len(ids),
+                 rollout_logprobs=[0.0] * len(ids), reward=0.0)  # fmt: skip
+    return peft_logprobs(adapter, [one])

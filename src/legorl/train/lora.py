@@ -114,7 +114,10 @@ def attach(lm: Any, model_dir: Path, config: TrainConfig) -> Any:
     saved = adapter_config(model_dir) if is_adapter(model_dir) else None
     if saved is not None:
         was: tuple[Any, ...] = (saved.get("r"), saved.get("lora_alpha"))
-        was += (sorted(saved.get("target_modules") or []),)
+        # peft may save a long list of names as the fewest suffixes that choose them
+        kept = saved.get("target_modules") or []
+        kept = [kept] if isinstance(kept, str) else kept
+        was += (sorted(linear_targets(lm, kept) if kept else []),)
         now: tuple[Any, ...] = (config.lora_rank, config.lora_alpha, sorted(names))
         for what, a, b in zip(("lora_rank", "lora_alpha", "lora_targets"), was, now, strict=True):
             if a != b:
