@@ -336,6 +336,12 @@ def check_parameter_choice(model_dir: str | Path, config: TrainConfig) -> None:
             lm = AutoModelForCausalLM.from_config(model_config)
     except (OSError, ValueError, KeyError, TypeError):
         return
+    if config.lora:
+        try:
+            lora.linear_targets(lm, config.lora_targets)
+        except lora.LoraError as exc:
+            raise TrainError(str(exc)) from None
+        return
     params = trained_parameters(lm, config.train_params)
     scale_only_targets(lm, params, config)
     lr_param_groups(lm, params, config)
