@@ -89,6 +89,12 @@ def _vllm(args: argparse.Namespace) -> dict[str, Any]:
     return bench_vllm(quick=args.quick)
 
 
+def _lora(args: argparse.Namespace) -> dict[str, Any]:
+    from legorl.bench.lora import bench_lora
+
+    return bench_lora(quick=args.quick)
+
+
 def _realsuite(args: argparse.Namespace) -> dict[str, Any]:
     from legorl.bench.realsuite import bench_realsuite
 
@@ -115,6 +121,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "realsuite": _realsuite,
     "train": _train,
     "vllm": _vllm,
+    "lora": _lora,
 }
 
 

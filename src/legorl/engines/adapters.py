@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,7 +118,9 @@ class AdapterSlots:
             config = LoraConfig(
                 r=info.rank, target_modules=list(info.targets), bias="none", **alpha
             )
-            inject_adapter_in_model(config, self.model, adapter_name=name)
+            with warnings.catch_warnings():  # peft warns that a second name is a second adapter
+                warnings.simplefilter("ignore", UserWarning)
+                inject_adapter_in_model(config, self.model, adapter_name=name)
             self.model.requires_grad_(False)
             self.shapes[name] = shape
         params = dict(self.model.named_parameters())
