@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
-from legorl.loop_config import LOOP_ENGINES, LOOP_LR, LOOP_LR_ALL, LOOP_LR_SCALE, LoopConfig
+from legorl.loop_config import (
+    LOOP_ENGINES,
+    LOOP_LR,
+    LOOP_LR_ALL,
+    LOOP_LR_LORA,
+    LOOP_LR_SCALE,
+    LoopConfig,
+)
 
 from ._common import ReportTo, TaskFormat, choices, console, fail, key_values
 
@@ -115,6 +122,14 @@ def loop(
             "--train-params (a learned inverse temperature), else none."
         ),
     ] = _D.scale_only,
+    lora: Annotated[
+        bool,
+        typer.Option(
+            "--lora",
+            help=f"Train a LoRA adapter on every linear layer instead (lr {LOOP_LR_LORA} unless "
+            "given); its rank and the rest as overrides (lora_rank=4 lora_alpha=16).",
+        ),
+    ] = _D.lora,
     algorithm: Annotated[
         str | None, typer.Option(help=f"{choices('algorithm')} (default: the trainer's).")
     ] = _D.algorithm,
@@ -192,6 +207,7 @@ def loop(
         lr=lr,
         lr_groups=lr_groups,
         scale_only=scale_only,
+        lora=lora,
         algorithm=algorithm,
         train_overrides=list(overrides or []),
         timeout=timeout,

@@ -84,7 +84,7 @@ def train(
         cfg = build_config(config, overrides, steps=steps)
     except ConfigError as exc:
         fail("train", str(exc), 2)
-    if not (model / "config.json").is_file():
+    if not (model / "config.json").is_file() and not (model / "adapter_config.json").is_file():
         fail("train", f"--model {model}: not a model folder (no config.json)", 2)
     if out is None and not dry_run:
         fail("train", "--out is needed (or --dry-run)", 2)

@@ -145,3 +145,28 @@ def test_readme_align_into_train_pipe_runs(tmp_path: Path) -> None:
     assert (tmp_path / "ckpt" / "model.safetensors").exists()
     names = {m.name for m in read_jsonl(tmp_path / "metrics.jsonl")}
     assert "rollout_trainer_pearson" in names
+
+
+def test_readme_lora_examples_run(tmp_path: Path) -> None:
+    text = (ROOT / "README.md").read_text()
+    lines = [
+        ln
+        for ln in text.splitlines()
+        if ln.startswith("legorl train tests/data/train/samples.jsonl") and "lora=true" in ln
+    ]
+    assert len(lines) == 3
+    (tmp_path / "fixtures").symlink_to(ROOT / "fixtures")
+    (tmp_path / "tests").symlink_to(ROOT / "tests")
+    for line in lines:
+        args = line.split()[1:]
+        result = subprocess.run(
+            [sys.executable, "-m", "legorl.cli.main", *args],
+            cwd=tmp_path,
+            capture_output=True,
+            timeout=600,
+        )
+        assert result.returncode == 0, f"{line}: {result.stderr.decode()[-2000:]}"
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+    state = json.loads((tmp_path / "adapter" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2 and state["lora"]["rank"] == 4
+    assert (tmp_path / "merged" / "model.safetensors").exists()

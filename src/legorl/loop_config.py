@@ -27,6 +27,7 @@ _LOOP_OWNED = {
     "train_params": "train_params",
     "lr_groups": "lr_groups",
     "scale_only": "scale_only",
+    "lora": "lora",
 }
 
 
@@ -50,6 +51,8 @@ LOOP_LR = 0.4
 #: The engines the loop runs on: those of ``legorl.engines.ENGINES`` that load weights live.
 LOOP_ENGINES = ("embedded", "vllm")
 LOOP_LR_ALL = 1e-4
+# A LoRA adapter's: about 10x full training's ("LoRA Without Regret"); not yet tuned here.
+LOOP_LR_LORA = 1e-3
 
 
 # The default model and tasks live in the source checkout's fixtures/, not in the wheel
@@ -116,6 +119,9 @@ class LoopConfig:
     # of those, the ones trained through one scalar factor each (the trainer's scale_only);
     # None: default_scale_only(train_params), the final norm with the default train_params
     scale_only: str | None = None
+    # train a LoRA adapter on every linear layer instead (train/lora.py; the final norm, the
+    # temperature-like factor, stays frozen); rank and the rest as train overrides (lora_rank=4)
+    lora: bool = False
     algorithm: str | None = None  # None: the trainer's default
     train_overrides: list[str] = field(default_factory=list)  # TrainConfig key=value
     timeout: float = 300.0  # seconds per harness run
@@ -141,6 +147,8 @@ class LoopConfig:
     def __post_init__(self) -> None:
         self.model = checkout_path(self.model)
         self.tasks_dir = checkout_path(self.tasks_dir)
+        if self.lora and self.engine == "vllm":  # a launched server then loads adapters
+            self.engine_options = {"lora": True, **self.engine_options}
 
     def validate(self) -> None:
         """Raise ``LoopConfigError`` naming the first bad field."""
@@ -238,21 +246,32 @@ class LoopConfig:
             if key in ("lr", "algorithm") and getattr(self, key) is not None:
                 raise LoopConfigError("train", f"override {text!r}: --{key} is given too")
             overridden.add(key)
+        if self.lora and (self.train_params not in ("", LOOP_TRAIN_PARAMS) or self.scale_only):
+            raise LoopConfigError(
+                "train_params"
+                if self.train_params not in ("", LOOP_TRAIN_PARAMS)
+                else "scale_only",
+                "--lora trains an adapter, not base parameters; leave it unset",
+            )
+        lora = {"lora": True, "train_params": "", "scale_only": ""} if self.lora else {}
+        chosen = {
+            "train_params": self.train_params,
+            "scale_only": self.resolved_scale_only(),
+            **lora,
+        }
+        default = (
+            LOOP_LR_LORA if self.lora else default_lr(self.train_params, self.resolved_scale_only())
+        )
         try:
             return build_config(
                 None,
                 self.train_overrides,
                 steps=self.steps_per_iteration,
                 temperature=self.temperature,
-                train_params=self.train_params,
                 lr_groups=self.lr_groups,
-                scale_only=self.resolved_scale_only(),
-                lr=(
-                    self.lr
-                    if self.lr is not None or "lr" in overridden
-                    else default_lr(self.train_params, self.resolved_scale_only())
-                ),
+                lr=self.lr if self.lr is not None or "lr" in overridden else default,
                 algorithm=self.algorithm,
+                **chosen,
             )
         except ConfigError as exc:
             raise LoopConfigError("train", str(exc)) from None

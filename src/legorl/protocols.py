@@ -37,6 +37,9 @@ class GenerationRequest:
     # so an engine may deliver it in one piece instead of token by token (vllm: one JSON answer
     # instead of server-sent events). The tokens and log-probs are the same either way.
     stream: bool = True
+    # The LoRA adapter to sample with, by the name it was loaded under (``ServesAdapters``);
+    # None: the engine's policy (its policy adapter if it has one, else its weights).
+    adapter: str | None = None
     # Where the request was served, filled in by an engine with several replicas (engines/
     # replicas.py) as it serves it; the proxy copies it into the Turn. Others leave it empty.
     placement: Placement = field(default_factory=lambda: Placement())
@@ -105,6 +108,29 @@ class Engine(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class ServesAdapters(Protocol):
+    """An engine that serves LoRA adapters on its one base model (embedded, vllm).
+
+    ``load_weights`` with a PEFT adapter folder makes it the policy's adapter, named
+    ``POLICY_ADAPTER``, whose version is the new ``policy_version``. ``load_adapter`` loads or
+    replaces another named adapter beside it (an A/B evaluation, one policy per harness); a
+    request names it in ``GenerationRequest.adapter``. An adapter trained on another base is
+    refused, naming both.
+    """
+
+    policy_adapter: str | None  # the adapter requests without one get; None: the full weights
+    adapter_versions: dict[str, int]  # loaded adapter name -> its version
+
+    async def load_adapter(self, name: str, path: str) -> int:
+        """Load the adapter folder ``path`` as ``name`` (a new version of it if loaded before);
+        returns its version."""
+        ...
+
+
+POLICY_ADAPTER = "policy"
 
 
 # ---- sandboxes ---------------------------------------------------------------------------------

@@ -172,6 +172,10 @@ class Turn(Record):
     model: str  # the served model
     requested_model: str = ""  # what the harness asked for
     policy_version: int = 0
+    # the LoRA adapter that sampled it (by the name the engine loaded it under, "policy" for the
+    # policy's own) and that adapter's version; None: the engine's full weights
+    adapter: str | None = None
+    adapter_version: int | None = None
     temperature: float = 1.0  # the sampling temperature the log-probs are taken at
     requested_max_tokens: int | None = None  # what the harness asked for (None: it named none)
     max_tokens: int | None = None  # the limit sampled under, after the proxy's caps

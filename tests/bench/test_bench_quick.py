@@ -28,7 +28,7 @@ def _numbers(value: object) -> list[float]:
 
 
 # Sections that start a real vLLM server run in the vLLM group (tests/conftest.py).
-VLLM = {"vllm", "vllm_failover", "decode"}
+VLLM = {"vllm", "vllm_failover", "decode", "lora"}
 # A section with a test of its own, which checks its figures more closely, is run there.
 OWN_TEST = {"decode": "tests/bench/test_bench_decode.py"}
 

@@ -537,6 +537,36 @@ def test_a_server_in_another_logprob_mode_is_refused(fp32: Proxy) -> None:
     assert engine.config.weight_reload == "collective_rpc"  # dev mode: reloads work
 
 
+def test_adapters_asked_of_a_server_without_lora_support_are_refused(
+    fp32: Proxy, tmp_path: Path
+) -> None:
+    import asyncio
+
+    from legorl.engines import make_engine
+    from legorl.protocols import EngineRequestError
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "base_model_name_or_path": str(MODEL)}
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    # the proxy's engine launched its server without lora=true: refused before any call
+    pushed = httpx.post(
+        f"{fp32.url}/admin/weights",
+        json={"path": str(adapter)},
+        headers={"authorization": f"Bearer {TOKEN}"},
+        timeout=60,
+    )
+    assert pushed.status_code == 400, pushed.text
+    assert "launched without LoRA support" in pushed.text and "lora=true" in pushed.text
+    # a server at base_url: vLLM itself has no runtime LoRA route, and the error says what to set
+    engine = make_engine("vllm", base_url=fp32.vllm_url)
+    with pytest.raises(EngineRequestError, match="has no runtime LoRA loading") as err:
+        asyncio.run(engine.load_weights(str(adapter)))
+    assert "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in str(err.value)
+    assert engine.policy_version == 0 and engine.policy_adapter is None
+
+
 def test_the_vllm_process_dying_mid_run(bf16: Proxy, tmp_path: Path) -> None:
     drain(bf16.call("before-death", "openai_chat", body("openai_chat", 1.0, False, 16)))
     written = (bf16.turns / "before-death.jsonl").read_bytes()

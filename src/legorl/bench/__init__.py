@@ -95,6 +95,12 @@ def _vllm_failover(args: argparse.Namespace) -> dict[str, Any]:
     return bench_vllm_failover(quick=args.quick)
 
 
+def _lora(args: argparse.Namespace) -> dict[str, Any]:
+    from legorl.bench.lora import bench_lora
+
+    return bench_lora(quick=args.quick)
+
+
 def _realsuite(args: argparse.Namespace) -> dict[str, Any]:
     from legorl.bench.realsuite import bench_realsuite
 
@@ -129,6 +135,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "vllm": _vllm,
     "async": _loop_async,
     "vllm_failover": _vllm_failover,
+    "lora": _lora,
 }
 
 

@@ -36,13 +36,18 @@ float bits, which in principle can flip a draw that lands exactly on a boundary)
 
 ``load_weights`` swaps a checkpoint in place between steps: new requests wait, running ones
 finish under the old weights, then the weights change, ``policy_version`` goes up and the prefix
-caches are dropped. Only full-attention decoders (Llama/Qwen-style dynamic KV caches) are
+caches are dropped. A PEFT adapter folder (``legorl train lora=true``) is swapped the same way,
+into LoRA layers put on the base model once (``engines/adapters.py``): it becomes the policy's
+adapter. ``load_adapter(name, path)`` loads more named adapters beside it; every forward runs
+each batch row through its own request's adapter (``GenerationRequest.adapter``), so sessions on
+different adapters share one base model and one batch. Only full-attention decoders (Llama/Qwen-style dynamic KV caches) are
 supported; sliding-window or linear-attention layers are refused at load.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import random
 import threading
@@ -51,7 +56,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from legorl.engines.adapters import (
+    BASE,
+    AdapterError,
+    AdapterSlots,
+    check_base,
+    is_adapter,
+    read_adapter,
+)
 from legorl.protocols import (
+    POLICY_ADAPTER,
     ContextLengthError,
     EngineError,
     EngineRequestError,
@@ -135,9 +149,10 @@ class _Sequence:
 
 
 class _Load:
-    def __init__(self, path: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, path: str, loop: asyncio.AbstractEventLoop, adapter: str | None) -> None:
         self.path = path
         self.loop = loop
+        self.adapter = adapter  # None: the policy (full weights, or an adapter folder)
         self.future: asyncio.Future[int] = loop.create_future()
 
 
@@ -162,6 +177,9 @@ class EmbeddedEngine:
 
         self.config = config
         self.policy_version = 0
+        self.policy_adapter: str | None = None
+        self.adapter_versions: dict[str, int] = {}
+        self._adapters: AdapterSlots | None = None
         self.stats = EmbeddedStats()
         self._model: Any = load_model(config.model_path, dtype=config.dtype, device=config.device)
         self._check_cache_layout()
@@ -217,7 +235,14 @@ class EmbeddedEngine:
     async def load_weights(self, path: str) -> int:
         if self._closed:
             raise EngineError("engine is closed")
-        command = _Load(str(path), asyncio.get_running_loop())
+        command = _Load(str(path), asyncio.get_running_loop(), None)
+        self._inbox.put(command)
+        return await command.future
+
+    async def load_adapter(self, name: str, path: str) -> int:
+        if self._closed:
+            raise EngineError("engine is closed")
+        command = _Load(str(path), asyncio.get_running_loop(), name)
         self._inbox.put(command)
         return await command.future
 
@@ -245,6 +270,11 @@ class EmbeddedEngine:
             )
         if min(ids) < 0 or max(ids) >= self._vocab:
             raise EngineRequestError(f"prompt token ids must be in 0..{self._vocab - 1}")
+        if request.adapter is not None and request.adapter not in self.adapter_versions:
+            loaded = ", ".join(sorted(self.adapter_versions)) or "none"
+            raise EngineRequestError(
+                f"adapter {request.adapter!r} is not loaded on this engine (loaded: {loaded})"
+            )
 
     def _check_cache_layout(self) -> None:
         from transformers import DynamicCache
@@ -356,9 +386,14 @@ class EmbeddedEngine:
         positions = torch.arange(lo, hi, device=self._device)[None]  # [1, c]
         if seq.cache is None:
             seq.cache = self._new_cache(None, capacity=self._own_room(seq))
-        out = self._model(
-            input_ids=ids, position_ids=positions, cache=seq.cache, use_cache=True, logits_to_keep=1
-        )
+        with self._routed([seq]):
+            out = self._model(
+                input_ids=ids,
+                position_ids=positions,
+                cache=seq.cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         seq.n_cached = hi
         self.stats.prefill_tokens += hi - lo
         if hi < seq.prompt_len:
@@ -380,14 +415,15 @@ class EmbeddedEngine:
         ids = torch.tensor([[s.tokens[-1]] for s in batch], device=self._device)  # [B, 1]
         positions = torch.tensor([[s.n_cached] for s in batch], device=self._device)  # [B, 1]
         mask = torch.cat([mask, mask.new_ones(n, 1)], dim=1)  # [B, P + 1]
-        out = self._model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            cache=self._batch_cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        with self._routed(batch):
+            out = self._model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                cache=self._batch_cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
         self._batch_mask = mask
         for s in batch:
             s.n_cached += 1
@@ -572,6 +608,13 @@ class EmbeddedEngine:
                     self._send(seq, error)
             self._batch, self._batch_cache, self._batch_mask = [], None, None
 
+    def _routed(self, seqs: list[_Sequence]) -> Any:
+        """The context a forward over ``seqs`` runs in: each row through its adapter."""
+        if self._adapters is None or not self._adapters.shapes:
+            return contextlib.nullcontext()
+        policy = self.policy_adapter or BASE
+        return self._adapters.routed([s.request.adapter or policy for s in seqs])
+
     def _do_loads(self) -> None:
         from legorl.engines.models import reload_weights
 
@@ -581,13 +624,38 @@ class EmbeddedEngine:
         for load in loads:
             result: int | BaseException
             try:
-                reload_weights(self._model, load.path)
-                self.policy_version += 1
+                if load.adapter not in (None, POLICY_ADAPTER):
+                    result = self._load_adapter(load.adapter, load.path)
+                elif is_adapter(load.path):
+                    self._load_adapter(POLICY_ADAPTER, load.path)
+                    self.policy_version += 1
+                    self.policy_adapter = POLICY_ADAPTER
+                    self.adapter_versions[POLICY_ADAPTER] = result = self.policy_version
+                else:
+                    reload_weights(self._model, load.path)
+                    if self.policy_adapter is not None and self._adapters is not None:
+                        self._adapters.remove(self.policy_adapter)  # full weights: no adapter
+                        self.adapter_versions.pop(self.policy_adapter, None)
+                    self.policy_adapter = None
+                    self.policy_version += 1
+                    result = self.policy_version
                 self.stats.weight_loads += 1
-                result = self.policy_version
+            except AdapterError as exc:
+                result = EngineRequestError(str(exc))
             except Exception as exc:
                 result = EngineError(f"load_weights({load.path!r}) failed: {exc}")
             load.loop.call_soon_threadsafe(_resolve, load.future, result)
+
+    def _load_adapter(self, name: str, path: str) -> int:
+        """Put the adapter folder ``path`` in slot ``name``; returns that name's new version."""
+        info = read_adapter(path)
+        check_base(info, self.config.model_path)
+        if self._adapters is None:
+            self._adapters = AdapterSlots(self._model)
+        self._adapters.load(name, info)
+        version = self.adapter_versions.get(name, 0) + 1
+        self.adapter_versions[name] = version
+        return version
 
     def _fail_all(self, error: EngineError) -> None:
         for seq in [*self._waiting, *self._prefilling, *self._batch]:

@@ -40,15 +40,25 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def load_model(path: str | Path, *, dtype: str = "float32", device: Device = "cpu") -> Any:
-    """A causal LM from a local folder, in eval mode, on ``device`` with ``dtype`` weights."""
+    """A causal LM from a local folder, in eval mode, on ``device`` with ``dtype`` weights; a
+    LoRA adapter folder gives its base model with the adapter merged."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from legorl.engines.adapters import adapter_base, is_adapter
+
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for, but torch sees no CUDA device")
+    adapter = Path(path) if is_adapter(path) else None
     model: Any = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch_dtype(dtype), local_files_only=True
+        str(adapter_base(path) if adapter else path),
+        dtype=torch_dtype(dtype),
+        local_files_only=True,
     )
+    if adapter is not None:  # a LoRA checkpoint: its base with the adapter merged in
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     model.to(device)
     model.eval()
     model.requires_grad_(False)
@@ -58,7 +68,10 @@ def load_model(path: str | Path, *, dtype: str = "float32", device: Device = "cp
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    from legorl.engines.adapters import adapter_base, is_adapter
+
+    folder = adapter_base(path) if is_adapter(path) else path  # an adapter uses its base's
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 
 def max_context_of(model: PreTrainedModel) -> int:
@@ -88,7 +101,21 @@ def reload_weights(model: PreTrainedModel, path: str | Path) -> None:
             f"{type(model).__name__}: load_weights needs the same architecture"
         )
     # strict: a missing or extra tensor, or a shape mismatch, is an error, not a silent partial load
-    model.load_state_dict(fresh.state_dict(), strict=True)
+    own = model.state_dict()
+    if not any(".base_layer." in k for k in own):
+        model.load_state_dict(fresh.state_dict(), strict=True)
+        del fresh
+        return
+    # LoRA layers wrap the linear ones (engines/adapters.py): the base tensors are renamed
+    import torch
+
+    base = {k.replace(".base_layer.", "."): v for k, v in own.items() if ".lora_" not in k}
+    new = fresh.state_dict()
+    if base.keys() != new.keys() or any(base[k].shape != new[k].shape for k in new):
+        raise ValueError(f"checkpoint {path}: its tensors do not match the served model's")
+    with torch.no_grad():
+        for key, value in new.items():
+            base[key].copy_(value)
     del fresh
 
 

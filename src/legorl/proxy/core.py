@@ -57,6 +57,7 @@ from legorl.protocols import (
     EngineRequestError,
     GenerationRequest,
     Placement,
+    ServesAdapters,
 )
 from legorl.proxy.chat import (
     ApiError,
@@ -181,6 +182,10 @@ class ProxyCore:
     def __init__(self, config: ProxyConfig, engine: Engine) -> None:
         self.config = config
         self.engine = engine
+        # read once: a runtime Protocol check costs microseconds on every call otherwise
+        self._adapters: ServesAdapters | None = (
+            engine if isinstance(engine, ServesAdapters) else None
+        )
         self.tok = ChatTokenizer(config.model)
         self.served_name = config.served_name or Path(config.model).name
         self.out = Path(config.out) if config.out is not None else None
@@ -331,17 +336,32 @@ class ProxyCore:
             raise ApiError(401, "admin routes need the admin token", kind="authentication_error")
         data = _json_object(body) if body else {}
         if method == "POST" and rest == "/admin/weights":
-            path = data.get("path")
+            path, name = data.get("path"), data.get("adapter")
             if not isinstance(path, str):
                 raise ApiError(400, "path: expected a string", param="path")
-            return self._json(200, {"policy_version": await self.load_weights(path)})
+            if name is not None and not isinstance(name, str):
+                raise ApiError(400, "adapter: expected a string or null", param="adapter")
+            try:
+                if name is None:
+                    return self._json(200, {"policy_version": await self.load_weights(path)})
+                version = await self.load_adapter(name, path)
+            except EngineRequestError as exc:
+                raise ApiError(400, str(exc), param="path") from None
+            except (EngineError, NotImplementedError) as exc:
+                raise ApiError(503, str(exc), kind="overloaded_error") from None
+            answer = {"adapter": name, "adapter_version": version}
+            return self._json(200, {**answer, "policy_version": self.engine.policy_version})
         if method == "POST" and rest == "/admin/sessions":
             sid, system = data.get("id"), data.get("main_system")
+            adapter = data.get("adapter")
             if not isinstance(sid, str):
                 raise ApiError(400, "id: expected a string", param="id")
             if system is not None and not isinstance(system, str):
                 raise ApiError(400, "main_system: expected a string or null", param="main_system")
-            return self._json(200, {"id": sid, "route": self.open_session(sid, main_system=system)})
+            if adapter is not None and not isinstance(adapter, str):
+                raise ApiError(400, "adapter: expected a string or null", param="adapter")
+            route = self.open_session(sid, main_system=system, adapter=adapter)
+            return self._json(200, {"id": sid, "route": route})
         if method == "DELETE" and rest.startswith("/admin/sessions/"):
             sid = rest.rsplit("/", 1)[1]
             report = self.close_session(sid)
@@ -358,8 +378,16 @@ class ProxyCore:
 
     async def load_weights(self, path: str) -> int:
         """Swap the engine's weights for the checkpoint at ``path`` without dropping sessions
-        (``POST /admin/weights``); Turns sampled afterwards carry the returned policy version."""
+        (``POST /admin/weights``); Turns sampled afterwards carry the returned policy version.
+        A LoRA adapter folder becomes the policy's adapter on engines that serve adapters."""
         return await self.engine.load_weights(path)
+
+    async def load_adapter(self, name: str, path: str) -> int:
+        """Load the adapter folder ``path`` as ``name`` beside the policy (``POST
+        /admin/weights`` with ``adapter``); sessions opened with that adapter sample with it."""
+        if self._adapters is None:
+            raise EngineRequestError(f"the {self.engine.name} engine serves no LoRA adapters")
+        return await self._adapters.load_adapter(name, path)
 
     def redirect_turns(self, out: str | Path) -> None:
         """Write Turn records to ``out`` from now on (the loop gives each phase its own folder).
@@ -370,7 +398,12 @@ class ProxyCore:
         self.out.mkdir(parents=True, exist_ok=True)
 
     def open_session(
-        self, sid: str, *, main_system: str | None = None, out: str | Path | None = None
+        self,
+        sid: str,
+        *,
+        main_system: str | None = None,
+        out: str | Path | None = None,
+        adapter: str | None = None,
     ) -> str:
         """Open ``sid`` as a capability session and return its route, ``/s/{sid}~{secret}``:
         the only way to reach it. Opening an id again starts it afresh under a new secret (the
@@ -378,7 +411,8 @@ class ProxyCore:
         still running records nothing. ``main_system`` binds the main system prompt now (see
         ``Session``); without it the first tool-bearing call through the route binds it.
         ``out``: this session's Turns go to that folder instead of the proxy's (phases of an
-        asynchronous loop overlap, each with its own folder)."""
+        asynchronous loop overlap, each with its own folder). ``adapter`` names the LoRA
+        adapter its calls sample with (loaded with ``load_adapter``); None: the policy."""
         _check_id(sid, field="id")
         self.close_session(sid)
         if out is not None:
@@ -387,7 +421,7 @@ class ProxyCore:
         secret = secrets.token_hex(16)
         if not self.config.isolate_sessions:
             main_system = None
-        self.sessions[sid] = Session(sid, self.tok, main_system=main_system)
+        self.sessions[sid] = Session(sid, self.tok, main_system=main_system, adapter=adapter)
         self._spent[sid] = _Spent()
         self._secrets[sid] = secret
         self._granted.add(sid)
@@ -534,6 +568,7 @@ class ProxyCore:
             # A non-streamed call without stop strings needs the completion only when it is
             # whole; with stop strings the stream is cut where one appears, token by token.
             stream=req.stream or bool(req.stop),
+            adapter=session.adapter,
         )
         parser = OutputParser(wire.tool_call_id)
         detok = Detokenizer(self.tok.decode, self.tok.special_ids)
@@ -541,6 +576,7 @@ class ProxyCore:
         ids: list[int] = []
         logprobs: list[float] = []
         version = self.engine.policy_version
+        adapter = self._adapter_of(session)
         t0 = time.perf_counter()
         first_token_s = 0.0
         completed = out_started = False
@@ -556,6 +592,7 @@ class ProxyCore:
                         # A weight swap lets running requests finish and holds queued ones, so
                         # the version at the first token is the one that sampled them all.
                         version = self.engine.policy_version
+                        adapter = self._adapter_of(session)
                     ids.extend(s.token_id for s in chunk)
                     logprobs.extend(s.logprob for s in chunk)
                     text = stops.push(detok.push([s.token_id for s in chunk]))
@@ -600,6 +637,7 @@ class ProxyCore:
                     parser,
                     reason,
                     version,
+                    adapter,
                     max_tokens,
                     gen_req.placement,
                     {
@@ -610,6 +648,15 @@ class ProxyCore:
                 )
             else:
                 self.stats["cancelled"] += 1
+
+    def _adapter_of(self, session: Session) -> tuple[str, int] | None:
+        """The adapter a call of ``session`` samples with now, and its version."""
+        if self._adapters is None:
+            return None
+        name = session.adapter or self._adapters.policy_adapter
+        if name is None:
+            return None
+        return name, self._adapters.adapter_versions.get(name, 0)
 
     def _check_budget(self, spent: _Spent) -> None:
         """Refuse a call of a session whose budget is spent, and mark the session truncated."""
@@ -636,6 +683,7 @@ class ProxyCore:
         parser: OutputParser,
         reason: str,
         version: int,
+        adapter: tuple[str, int] | None,
         max_tokens: int,
         placement: Placement,
         meta: dict[str, float],
@@ -657,6 +705,8 @@ class ProxyCore:
             model=self.served_name,
             requested_model=req.model,
             policy_version=version,
+            adapter=adapter[0] if adapter is not None else None,
+            adapter_version=adapter[1] if adapter is not None else None,
             temperature=1.0 if req.temperature is None else req.temperature,
             requested_max_tokens=req.max_tokens,
             max_tokens=max_tokens,

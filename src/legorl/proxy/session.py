@@ -107,10 +107,16 @@ class Session:
     """One harness run's calls: a main sub-session and any auxiliary ones."""
 
     def __init__(
-        self, id: str, tokenizer: ChatTokenizer, *, main_system: str | None = None
+        self,
+        id: str,
+        tokenizer: ChatTokenizer,
+        *,
+        main_system: str | None = None,
+        adapter: str | None = None,
     ) -> None:
         self.id = id
         self.tok = tokenizer
+        self.adapter = adapter  # the LoRA adapter its calls sample with; None: the policy
         self.main: SubSession | None = None
         if main_system is not None:
             self.main = SubSession(id, aux=False, system=main_system)

@@ -93,6 +93,16 @@ class TrainConfig:
     # (θ = θ_old then); False: always a separate no-grad pass
     fuse_old_logprobs: bool = True
     find_unused_parameters: bool = True  # DDP: MoE experts may get no tokens on a rank
+    # --- LoRA (train/lora.py): train a peft adapter, the base weights frozen ------------------
+    lora: bool = False
+    lora_rank: int = 8
+    lora_alpha: float = 32.0  # the adapter's output is scaled by lora_alpha / lora_rank
+    lora_dropout: float = 0.0
+    # the linear layers that get an adapter: a regular expression over module names
+    # (``re.search``) or a list of names (a module is taken when its name is one of them or ends
+    # in ``.NAME``); "" = every linear layer but the output head, the MLP included
+    lora_targets: str | list[str] = ""
+    merge: bool = False  # write merged full weights instead of the adapter (lora=true only)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -137,6 +147,7 @@ class TrainConfig:
                     f"{name}: not a regular expression ({exc}): {pattern!r}"
                 ) from None
         self.lr_group_entries()  # checks the entries
+        self._validate_lora()
         for name in ["adam_beta1", "adam_beta2"]:
             if not 0 <= getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be in [0, 1), got {getattr(self, name)}")
@@ -149,6 +160,33 @@ class TrainConfig:
                     f"{low}, {high}: need 0 < {low} <= 1 <= {high}, got "
                     f"{getattr(self, low)}, {getattr(self, high)}"
                 )
+
+    def _validate_lora(self) -> None:
+        if self.lora_rank < 1:
+            raise ConfigError(f"lora_rank: must be >= 1, got {self.lora_rank}")
+        if not self.lora_alpha > 0:
+            raise ConfigError(f"lora_alpha: must be > 0, got {self.lora_alpha}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ConfigError(f"lora_dropout: must be in [0, 1), got {self.lora_dropout}")
+        targets = self.lora_targets
+        if isinstance(targets, str):
+            try:
+                re.compile(targets)
+            except re.error as exc:
+                raise ConfigError(
+                    f"lora_targets: not a regular expression ({exc}): {targets!r}"
+                ) from None
+        elif not targets or not all(isinstance(t, str) and t for t in targets):
+            raise ConfigError(f"lora_targets: a list must hold module names, got {targets!r}")
+        if self.merge and not self.lora:
+            raise ConfigError("merge: merges a LoRA adapter; set lora=true, or leave merge off")
+        if self.lora:
+            for name in ("train_params", "scale_only", "lr_groups"):
+                if getattr(self, name):
+                    raise ConfigError(
+                        f"{name}: chooses base parameters, which lora=true freezes; leave it "
+                        "empty (the adapter is what trains)"
+                    )
 
     @property
     def advantage_mode(self) -> Literal["grpo", "drgrpo", "sample"]:
@@ -222,6 +260,12 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
         if isinstance(value, str):
             return value
         raise ConfigError(f"{key}: expected text, got {value!r}")
+    if tp == str | list[str]:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(value)
+        raise ConfigError(f"{key}: expected a regular expression or a list of names, got {value!r}")
     raise TypeError(f"no coercion for {key}: {tp}")  # a field type this module does not handle
 
 

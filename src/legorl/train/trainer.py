@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from legorl.records import Metric, Sample, TrainerLogprobs
+from legorl.train import lora
 from legorl.train.config import TrainConfig, dump_config
 from legorl.train.correction import correction_weights, mismatch_metrics
 from legorl.train.data import Batch, prepare_batch
@@ -341,6 +342,12 @@ def check_parameter_choice(model_dir: str | Path, config: TrainConfig) -> None:
         with torch.device("meta"):
             lm = AutoModelForCausalLM.from_config(model_config)
     except (OSError, ValueError, KeyError, TypeError):
+        return
+    if config.lora:
+        try:
+            lora.linear_targets(lm, config.lora_targets)
+        except lora.LoraError as exc:
+            raise TrainError(str(exc)) from None
         return
     params = trained_parameters(lm, config.train_params)
     scale_only_targets(lm, params, config)
@@ -776,17 +783,23 @@ def train(
 
     # ---- model, optimizer, resumed state ---------------------------------------------------
     set_seed(config.seed)
-    lm = load_policy(model_dir, attention=config.attention)
+    state = _read_state(model_dir) if config.resume else {}
+    lora.check_start(model_dir, out_dir, config, state)
+    lm = load_policy(lora.base_of(model_dir), attention=config.attention)
     if config.gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     text_config = lm.config.get_text_config(decoder=True)
     pad_id = text_config.pad_token_id if text_config.pad_token_id is not None else 0
+    adapted = lora.attach(lm, model_dir, config) if config.lora else None  # lm, adapted in place
     scorer = TokenScorer(lm, temperature=config.temperature, chunk=config.logprob_chunk)
-    params = trained_parameters(lm, config.train_params)
     fsdp = accelerator.distributed_type == DistributedType.FSDP
-    if fsdp and config.scale_only:
-        raise TrainError("scale_only: not built for FSDP; leave it empty there")
-    params = scale_only_parameters(lm, params, config)
+    if fsdp and (config.scale_only or config.lora):
+        raise TrainError("scale_only and lora: not built for FSDP; leave them off there")
+    if adapted is not None:
+        params = lora.trainable(adapted)
+    else:
+        params = trained_parameters(lm, config.train_params)
+        params = scale_only_parameters(lm, params, config)
     groups = lr_param_groups(lm, params, config)
     optimizer = torch.optim.AdamW(
         groups,
@@ -795,7 +808,6 @@ def train(
         eps=config.adam_eps,
         weight_decay=config.weight_decay,
     )
-    state = _read_state(model_dir) if config.resume else {}
     # FSDP shards Adam's moments: they are gathered to save and scattered to resume, in the
     # one-process layout (legorl.train.distributed), once the model is sharded
     names = parameter_names(scorer, optimizer) if fsdp else []
@@ -809,7 +821,7 @@ def train(
         say(f"resumed optimizer state from {saved} (sharded over {accelerator.num_processes})")
     ref = None
     if config.kl_coef > 0:
-        ref_lm = load_policy(config.ref_model or model_dir, attention=config.attention)
+        ref_lm = lora.load_merged(config.ref_model or model_dir, attention=config.attention)
         ref = TokenScorer(ref_lm, temperature=config.temperature, chunk=config.logprob_chunk)
         ref.requires_grad_(False).to(accelerator.device)
     global_step = int(state.get("global_step", 0))
@@ -935,29 +947,42 @@ def train(
         return TrainResult(global_step, False, None, None, metrics, pi_old)
     new_state = {
         "global_step": global_step,
-        "base_model": str(state.get("base_model", model_dir)),
+        "base_model": str(state.get("base_model", lora.base_of(model_dir))),
         "parent": str(model_dir),
         "samples": len(batch.samples),
         "train_params": config.train_params,  # whose moments optimizer.pt holds
         "lr_group_patterns": [pattern for pattern, _ in config.lr_group_entries()],
         "scale_only": config.scale_only,  # and which of them as one scalar each
+        "lora": lora.state_of(config, adapted) if adapted is not None else None,
     }
-    fold_scales(accelerator.unwrap_model(scorer).lm)
-    opt_state = (
-        gather_optimizer_state(scorer, optimizer.optimizer, names, main)
-        if fsdp
-        else optimizer.state_dict()
-    )
-    save_checkpoint(
-        accelerator,
-        scorer,
-        opt_state,
-        out_dir,
-        model_dir=model_dir,
-        config=config,
-        state=new_state,
-        run={**(run or {}), "model": str(model_dir), "processes": world},
-    )
+    run = {**(run or {}), "model": str(model_dir), "processes": world}
+    if adapted is not None and not config.merge:
+        files = {"optimizer": OPTIMIZER_FILE, "state": STATE_FILE, "config": CONFIG_FILE}
+        lora.save_adapter(
+            accelerator, adapted, optimizer, out_dir, config=config, state=new_state, run=run,
+            files=files,
+        )  # fmt: skip
+    else:
+        if adapted is not None:
+            lora.merge(adapted, out_dir)  # merged full weights; the adapter's moments dropped
+        fold_scales(accelerator.unwrap_model(scorer).lm)
+        opt_state = None
+        if adapted is None:
+            opt_state = (
+                gather_optimizer_state(scorer, optimizer.optimizer, names, main)
+                if fsdp
+                else optimizer.state_dict()
+            )
+        save_checkpoint(
+            accelerator,
+            scorer,
+            opt_state,
+            out_dir,
+            model_dir=lora.base_of(model_dir),
+            config=config,
+            state=new_state,
+            run=run,
+        )
     say(f"checkpoint: {out_dir}")
     if push is not None and main:
         version = push_weights(push, out_dir)
