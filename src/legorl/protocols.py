@@ -13,7 +13,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from legorl.routing import RoutingCapture
 
 
 class ConfigError(ValueError):
@@ -37,6 +40,9 @@ class GenerationRequest:
     # so an engine may deliver it in one piece instead of token by token (vllm: one JSON answer
     # instead of server-sent events). The tokens and log-probs are the same either way.
     stream: bool = True
+    # Filled with the MoE routing of every token the engine computes for this call, by an
+    # engine that records it (embedded); left empty by the others (``legorl.routing``).
+    routing: RoutingCapture | None = None
 
 
 @dataclass(slots=True)

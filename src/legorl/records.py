@@ -136,6 +136,35 @@ class TurnFlags:
 
 
 @dataclass(slots=True, kw_only=True)
+class RoutingRef:
+    """Where a Turn's MoE routing lives (``legorl.routing``): ``rows`` rows from row ``row`` of
+    the sidecar ``file`` (relative to the Turn file's folder), one per token position the call
+    computed, starting at position ``start`` of its prompt + completion (positions before it
+    were served from the engine's prefix cache); ``sha256`` of exactly those rows' bytes."""
+
+    file: str
+    row: int
+    rows: int
+    start: int
+    sha256: str
+
+
+@dataclass(slots=True, kw_only=True)
+class RoutingSpan:
+    """Part of a recorded routing chunk placed in a Sample: rows ``skip .. skip + count`` of
+    the chunk (``file``, ``row``, ``rows``, ``sha256`` as in the Turn's ``RoutingRef``, the
+    file as align found it) give positions ``at .. at + count`` of the Sample's input_ids."""
+
+    file: str
+    row: int
+    rows: int
+    sha256: str
+    skip: int
+    count: int
+    at: int
+
+
+@dataclass(slots=True, kw_only=True)
 class Turn(Record):
     """One LLM call captured by the proxy.
 
@@ -166,6 +195,7 @@ class Turn(Record):
     parent_session: str | None = None  # for aux sub-sessions
     timings: dict[str, float] = field(default_factory=dict)
     time: float = 0.0  # unix seconds when the call arrived
+    routing: RoutingRef | None = None  # MoE experts chosen per computed token (legorl.routing)
 
     def check(self) -> None:
         if self.turn < 0 or self.segment < 0 or self.prompt_offset < 0:
@@ -176,6 +206,14 @@ class Turn(Record):
                 f"has {len(self.completion_logprobs)} values for "
                 f"{len(self.completion_ids)} completion_ids",
             )
+        r = self.routing
+        if r is not None:
+            total = self.prompt_len + len(self.completion_ids)
+            if min(r.row, r.rows, r.start) < 0 or r.start + r.rows > total:
+                raise FieldError(
+                    "routing",
+                    f"rows {r.start}..{r.start + r.rows} do not fit the call's {total} tokens",
+                )
 
     @property
     def prompt_len(self) -> int:
@@ -252,8 +290,18 @@ class Sample(Record):
     weight: float = 1.0
     policy_version: int = 0
     aux: bool = False
+    # MoE routing of input_ids' positions (legorl.routing); None: none recorded (dense model)
+    routing: list[RoutingSpan] | None = None
 
     def check(self) -> None:
+        for i, span in enumerate(self.routing or ()):
+            if (
+                min(span.row, span.skip, span.at) < 0
+                or span.count < 1
+                or span.skip + span.count > span.rows
+                or span.at + span.count > len(self.input_ids)
+            ):
+                raise FieldError(f"routing[{i}]", "span does not fit its chunk or input_ids")
         if len(self.loss_mask) != len(self.input_ids):
             raise FieldError(
                 "loss_mask",
