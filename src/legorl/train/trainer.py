@@ -50,6 +50,7 @@ from legorl.train.data import Batch, prepare_batch
 from legorl.train.losses import LossOut, episode_sums, policy_loss
 from legorl.train.model import TokenScorer, load_policy
 from legorl.train.packing import MicroBatch, build_micro_batch, pack_lengths, padded_length
+from legorl.train.routing import RoutingSetupError, setup_routing
 
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
@@ -182,12 +183,14 @@ def _score(
     scorer: Any, mb: MicroBatch, config: TrainConfig, device: Any, *, entropy: bool | str = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     mb = mb.to(device)
+    routing = {"routing": mb.routing} if mb.routing is not None else {}
     return scorer(
         mb.input_ids,
         mb.position_ids,
         mb.logit_index,
         mb.targets,
         entropy=entropy,
+        **routing,
         **mb.attention_kwargs(config.attention),
     )
 
@@ -584,6 +587,9 @@ class StepStats:
     kept: float = 0.0  # tokens that take part in the loss
     entropy: float = 0.0  # Σ entropy over kept tokens
     kl: float = 0.0  # Σ k3 KL to the reference over kept tokens
+    routed: float = 0.0  # positions with recorded MoE routing (train/routing.py)
+    routing_differ: float = 0.0  # of those, where the forward ran other experts than recorded
+    router_disagree: float = 0.0  # where the trainer's own router chose other experts
 
     def add(self, res: LossOut, keep: torch.Tensor, entropy: torch.Tensor | None) -> None:
         self.loss += float(res.loss.detach())
@@ -629,6 +635,8 @@ def step_metrics(
         "clip_fraction": stats.clipped / kept,
         "entropy": stats.entropy / kept,
         "kl_ref": stats.kl / kept if has_ref else None,
+        "routing_mismatch": stats.routing_differ / stats.routed if stats.routed else None,
+        "router_disagreement": stats.router_disagree / stats.routed if stats.routed else None,
         "grad_norm": grad_norm,
         "lr": tokens.config.lr,
         **_batch_metrics(batch),
@@ -801,6 +809,13 @@ def train(
     )
     if batch.counts["samples_read"] == 0:
         raise TrainError("no samples in the input")
+    try:
+        replay = setup_routing(lm, batch, config, model_dir)
+    except RoutingSetupError as exc:
+        raise TrainError(str(exc)) from None
+    accelerator.unwrap_model(scorer).replay = replay
+    if replay is not None and replay.masked_tokens:
+        say(f"router_replay_missing=mask: {replay.masked_tokens} loss tokens without routing")
     say(
         f"{len(batch.samples)} samples, {len(batch.episode_ids)} episodes in "
         f"{len(batch.group_ids)} groups ({batch.zero_variance_groups} with equal rewards), "
@@ -811,6 +826,9 @@ def train(
         config.mini_batch_episodes, shuffle=config.shuffle, seed=config.seed
     )
     plans = [plan_step(batch, c, config, rank, world, pad_id) for c in chunks if c]
+    if replay is not None:  # each micro-batch carries its row's recorded routing
+        for mb in (mb for plan in plans for mb in plan.mine):
+            replay.attach(mb, batch)
     N = batch.n_tokens
     tokens = Tokens(
         batch,
@@ -864,6 +882,8 @@ def train(
                 # DDP/FSDP average over processes: scale so the average is the whole step's loss
                 accelerator.backward(res.loss * world)
             stats.add(res, keep, entropy)
+        if replay is not None:
+            stats.routed, stats.routing_differ, stats.router_disagree = replay.take()
         if inputs.fresh:  # every process now learns π_old of the tokens the others scored
             gathered = accelerator.reduce(inputs.fresh_old.to(device), "sum").cpu()
             tokens.old[plan.tokens] = gathered[plan.tokens]
