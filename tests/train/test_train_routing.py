@@ -21,6 +21,7 @@ from train_helpers import MODEL, MOE, ROOT, legorl, load_weights
 
 from legorl.bench.routing import routed_samples
 from legorl.engines.models import load_model
+from legorl.monitors import Monitor, MonitorConfig
 from legorl.records import Metric, Sample, read_jsonl, write_jsonl
 from legorl.routing import RoutingLayout, RoutingWriter, router_modules
 from legorl.train.config import TrainConfig
@@ -56,6 +57,12 @@ def test_replay_closes_the_routing_gap_to_a_bf16_engine(samples: list[Sample]) -
     assert p_off is not None and p_r3 is not None and p_r3 >= p_off
     big_off, big_r3 = off[(1, "logprob_diff_over_0.1")], r3[(1, "logprob_diff_over_0.1")]
     assert big_off is not None and big_r3 is not None and big_r3 <= big_off
+    # the monitor alerts on the run without replay, and not on the one with it
+    for run, kinds in ((off, ["routing"]), (r3, [])):
+        monitor = Monitor(MonitorConfig(max_routing_mismatch=0.005), stream=None)
+        for (step, name), value in run.items():
+            monitor.observe_metric(Metric(step=step, name=name, value=value))
+        assert [a.kind for a in monitor.alerts if a.kind == "routing"] == kinds
 
 
 def test_replay_hook_runs_the_recorded_experts_and_keeps_the_router_gradient() -> None:

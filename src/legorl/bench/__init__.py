@@ -101,6 +101,12 @@ def _harness_shapes(args: argparse.Namespace) -> dict[str, Any]:
     return bench_harness_shapes(quick=args.quick)
 
 
+def _routing(args: argparse.Namespace) -> dict[str, Any]:
+    from legorl.bench.routing import bench_routing
+
+    return bench_routing(quick=args.quick)
+
+
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "records_io": _records_io,
     "proxy": _proxy,
@@ -114,6 +120,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "decode": _decode,
     "realsuite": _realsuite,
     "train": _train,
+    "routing": _routing,
     "vllm": _vllm,
 }
 

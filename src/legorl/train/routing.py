@@ -130,6 +130,15 @@ class RouterReplay:
         mb.routing = torch.from_numpy(out).permute(1, 0, 2).contiguous()
 
 
+def check_router_replay(lm: Any, model_dir: str | Path, config: TrainConfig) -> None:
+    """Raise ``RoutingSetupError`` when ``router_replay=r3`` is asked of a dense model."""
+    if config.router_replay == "r3" and layout_of(lm) is None:
+        raise RoutingSetupError(
+            f"router_replay=r3: the model at {model_dir} is dense (no MoE router found); "
+            "replay is for mixture-of-experts models: set router_replay=off"
+        )
+
+
 def setup_routing(
     lm: Any, batch: Batch, config: TrainConfig, model_dir: str | Path
 ) -> RouterReplay | None:
@@ -145,11 +154,7 @@ def setup_routing(
     except RoutingError as exc:
         raise RoutingSetupError(f"router_replay: {model_dir}: {exc}") from None
     if layout is None:
-        if want:
-            raise RoutingSetupError(
-                f"router_replay=r3: the model at {model_dir} is dense (no MoE router found); "
-                "replay is for mixture-of-experts models: set router_replay=off"
-            )
+        check_router_replay(lm, model_dir, config)
         return None
     replay = RouterReplay(lm, replay=want)
     reader = ChunkReader(layout)

@@ -50,7 +50,7 @@ from legorl.train.data import Batch, prepare_batch
 from legorl.train.losses import LossOut, episode_sums, policy_loss
 from legorl.train.model import TokenScorer, load_policy
 from legorl.train.packing import MicroBatch, build_micro_batch, pack_lengths, padded_length
-from legorl.train.routing import RoutingSetupError, setup_routing
+from legorl.train.routing import RoutingSetupError, check_router_replay, setup_routing
 
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
@@ -328,7 +328,7 @@ def lr_param_groups(
 
 def check_parameter_choice(model_dir: str | Path, config: TrainConfig) -> None:
     """Raise TrainError, as ``train`` would, when ``train_params``, ``scale_only`` or an
-    ``lr_groups`` entry takes no parameter of the model in ``model_dir``; only its names are built (meta device).
+    ``lr_groups`` entry takes no parameter, or router_replay=r3 meets a dense model of the model in ``model_dir``; only its names are built (meta device).
     A model that cannot be built this way is not checked here: ``train`` says what is wrong."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -341,6 +341,10 @@ def check_parameter_choice(model_dir: str | Path, config: TrainConfig) -> None:
     params = trained_parameters(lm, config.train_params)
     scale_only_targets(lm, params, config)
     lr_param_groups(lm, params, config)
+    try:  # router_replay=r3 on a dense model
+        check_router_replay(lm, model_dir, config)
+    except RoutingSetupError as exc:
+        raise TrainError(str(exc)) from None
 
 
 def _batch_metrics(batch: Batch) -> dict[str, float | None]:
