@@ -368,6 +368,9 @@ class TrainerLogprobs(Record):
     logprobs: list[float]  # [sum(loss_mask)]
     step: int = 0  # the optimizer step they were scored before
     policy_version: int = 0
+    # MoE: positions of input_ids where the trainer's own router chose other experts than the
+    # rollout's in some layer (under π_old); None: no routing recorded for the sample
+    routing_differs: list[int] | None = None
 
 
 RECORD_TYPES: tuple[type[Record], ...] = (

@@ -215,3 +215,39 @@ def test_two_processes_replay_as_one(samples: list[Sample], tmp_path: Path) -> N
     # each process replayed its share: the gathered mismatch is 0 over every recorded token
     got = {m.name: m.value for m in read_jsonl(tmp_path / "two.jsonl", Metric)}
     assert got["routing_mismatch"] == 0.0 and (got["router_disagreement"] or 0) > 0
+
+
+def test_trainer_logprobs_say_which_tokens_it_routed_elsewhere(
+    samples: list[Sample], tmp_path: Path
+) -> None:
+    from legorl.inspect.render import ROUTED_ELSEWHERE, token_text
+
+    result = train(samples, model=MOE, out=None, config=TrainConfig(), dry_run=True)
+    by_id = {s.sample_id: s for s in samples}
+    differs = {r.sample_id: r.routing_differs for r in result.logprobs}
+    assert all(d is not None for d in differs.values())
+    flagged = {sid: d for sid, d in differs.items() if d}
+    assert flagged  # bf16 against fp32: some tokens route elsewhere
+    total = sum(len(d) for d in flagged.values())
+    positions = sum(len(s.input_ids) - 1 for s in samples)
+    got = {m.name: m.value for m in result.metrics}
+    assert total / positions == pytest.approx(got["router_disagreement"], abs=1e-9)
+    sid, where = next(iter(flagged.items()))
+    text = token_text(by_id[sid], None, None, "routing", where)
+    styled = {span.start for span in text.spans if span.style == ROUTED_ELSEWHERE}
+    starts = [0]
+    for token_id in by_id[sid].input_ids:
+        starts.append(starts[-1] + len(f"⟨{token_id}⟩"))
+    assert styled == {starts[p] for p in where}
+    # the control: an fp32 engine routes as the fp32 trainer does, nothing is flagged
+    plain = routed_samples(tmp_path, dtype="float32", groups=1, group_size=2, calls=1)
+    control = train(plain, model=MOE, out=None, config=TrainConfig(), dry_run=True)
+    assert [r.routing_differs for r in control.logprobs] == [[]] * len(plain)
+
+
+def test_router_replay_off_as_an_override_is_the_word_not_a_boolean() -> None:
+    from legorl.train.config import build_config
+
+    # YAML 1.1 reads a bare off as false
+    assert build_config(None, ["router_replay=off"]).router_replay == "off"
+    assert build_config(None, ["router_replay=r3"]).router_replay == "r3"

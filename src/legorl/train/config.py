@@ -203,6 +203,10 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
     """``value`` as field type ``tp``; strings from ``key=value`` are parsed as YAML scalars."""
     if get_origin(tp) is Literal:
         allowed = get_args(tp)
+        if isinstance(value, bool):  # YAML 1.1 reads off / on / no / yes as booleans
+            words = ("off", "no", "false") if not value else ("on", "yes", "true")
+            spelled = [a for a in allowed if isinstance(a, str) and a in words]
+            value = spelled[0] if len(spelled) == 1 else value
         if value not in allowed:
             raise ConfigError(
                 f"{key}: must be one of {', '.join(map(str, allowed))}, got {value!r}"

@@ -68,6 +68,7 @@ class TokenScorer(nn.Module):
         *,
         entropy: bool | str = False,
         routing: torch.Tensor | None = None,  # [L, T, k] recorded MoE routing, for ``replay``
+        routing_rows: list[tuple[int, int]] | None = None,  # (sample, start) laid in the row
         **attention_kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs [N] of ``targets`` and the policy's entropy [N] there: ``entropy=True`` (or
@@ -75,7 +76,7 @@ class TokenScorer(nn.Module):
         from torch.utils.checkpoint import checkpoint
 
         if self.replay is not None:
-            self.replay.use(routing)
+            self.replay.use(routing, routing_rows)
         hidden = self.lm.get_decoder()(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, **attention_kwargs
         ).last_hidden_state[0]  # [T, H]

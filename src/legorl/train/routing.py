@@ -3,7 +3,7 @@ figures with or without it.
 
     replay = setup_routing(lm, batch, config, model_dir)    # None: no routing anywhere
     replay.attach(mb, batch)                                # mb.routing: [L, T, k]
-    TokenScorer(lm, replay=replay)(…, routing=mb.routing)   # the forward replays it
+    scorer.replay = replay; scorer(…, routing=mb.routing, routing_rows=…)   # replayed
 
 The rollout engine recorded, for every token, the top-k experts each MoE layer chose
 (``legorl.routing``; align placed them in ``Sample.routing``). With replay on, a forward hook on
@@ -58,14 +58,20 @@ class RouterReplay:
         self._differ: torch.Tensor | None = None  # [T] bool: ran other experts than recorded
         self._own: torch.Tensor | None = None  # [T] bool: own router disagrees with recorded
         self._counts = [0, 0, 0]  # recorded positions, differing, own-disagreeing
+        self._counting = False
+        self._rows: list[tuple[int, int]] = []
+        # sample index -> positions where the trainer's own router disagreed (first forward)
+        self.differs: dict[int, list[int]] = {}
         for i, router in enumerate(self.routers):
             router.register_forward_hook(self._hook(i))
 
-    def use(self, routing: torch.Tensor | None) -> None:
-        """The routing of the next forward's row ([L, T, k]; None: the model's own)."""
+    def use(self, routing: torch.Tensor | None, rows: list[tuple[int, int]] | None = None) -> None:
+        """The routing of the next forward's row ([L, T, k]; None: the model's own) and the
+        (sample index, start) of the samples laid in it."""
         self._fold()
-        self._current = routing
-        if routing is not None and torch.is_grad_enabled():
+        self._current, self._rows = routing, rows or []
+        self._counting = torch.is_grad_enabled()  # figures from the loss forwards only
+        if routing is not None:
             t = routing.shape[1]
             self._differ = torch.zeros(t, dtype=torch.bool, device=routing.device)
             self._own = torch.zeros(t, dtype=torch.bool, device=routing.device)
@@ -79,9 +85,15 @@ class RouterReplay:
     def _fold(self) -> None:
         if self._differ is not None and self._own is not None and self._current is not None:
             has = self._current[0, :, 0] >= 0
-            self._counts[0] += int(has.sum())
-            self._counts[1] += int((self._differ & has).sum())
-            self._counts[2] += int((self._own & has).sum())
+            if self._counting:
+                self._counts[0] += int(has.sum())
+                self._counts[1] += int((self._differ & has).sum())
+                self._counts[2] += int((self._own & has).sum())
+            own = (self._own & has).cpu()
+            for i, start in self._rows:
+                if i not in self.differs:  # the first forward of a sample is under θ_old
+                    n = self.rows[i].shape[0]
+                    self.differs[i] = own[start : start + n].nonzero()[:, 0].tolist()
         self._differ = self._own = None
 
     def _hook(self, layer: int) -> Any:

@@ -50,7 +50,12 @@ from legorl.train.data import Batch, prepare_batch
 from legorl.train.losses import LossOut, episode_sums, policy_loss
 from legorl.train.model import TokenScorer, load_policy
 from legorl.train.packing import MicroBatch, build_micro_batch, pack_lengths, padded_length
-from legorl.train.routing import RoutingSetupError, check_router_replay, setup_routing
+from legorl.train.routing import (
+    RouterReplay,
+    RoutingSetupError,
+    check_router_replay,
+    setup_routing,
+)
 
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
@@ -183,7 +188,13 @@ def _score(
     scorer: Any, mb: MicroBatch, config: TrainConfig, device: Any, *, entropy: bool | str = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     mb = mb.to(device)
-    routing = {"routing": mb.routing} if mb.routing is not None else {}
+    routing: dict[str, Any] = {}
+    if mb.routing is not None:  # MoE routing replay (train/routing.py)
+        starts = mb.bounds[: len(mb.samples)]
+        routing = {
+            "routing": mb.routing,
+            "routing_rows": list(zip(mb.samples, starts, strict=True)),
+        }
     return scorer(
         mb.input_ids,
         mb.position_ids,
@@ -659,7 +670,9 @@ def step_metrics(
     }
 
 
-def trainer_logprobs(tokens: Tokens, step: int) -> list[TrainerLogprobs]:
+def trainer_logprobs(
+    tokens: Tokens, step: int, replay: RouterReplay | None = None
+) -> list[TrainerLogprobs]:
     """π_old of each sample's loss tokens, for ``legorl inspect`` (samples with a token no
     process scored are left out)."""
     batch, out = tokens.batch, []
@@ -673,6 +686,7 @@ def trainer_logprobs(tokens: Tokens, step: int) -> list[TrainerLogprobs]:
                     logprobs=lps.tolist(),
                     step=step,
                     policy_version=sample.policy_version,
+                    routing_differs=replay.differs.get(i) if replay is not None else None,
                 )
             )
     return out
@@ -926,7 +940,8 @@ def train(
         say("no trainable episodes (every group has equal rewards): weights unchanged")
         for name, value in {**_batch_metrics(batch), "updated": 0.0}.items():
             record(global_step + 1, name, value)
-    pi_old = trainer_logprobs(tokens, int(state.get("global_step", 0)) + 1) if main else []
+    start_step = int(state.get("global_step", 0)) + 1
+    pi_old = trainer_logprobs(tokens, start_step, replay) if main else []
 
     # ---- checkpoint and weight sync ---------------------------------------------------------
     version = None
