@@ -276,3 +276,30 @@ def test_align_stops_a_samples_routing_at_a_gap(session_turns: Path) -> None:
     for t in turns:
         t.routing = None
     assert all(s.routing is None for s in align([traj], base_dir=session_turns))
+
+
+def test_a_turns_routing_must_fit_its_tokens_and_old_turns_still_read(
+    session_turns: Path, tmp_path: Path
+) -> None:
+    from legorl.records import RecordError
+
+    line = (session_turns / "s1.jsonl").read_bytes().splitlines()[0]
+    data = orjson.loads(line)
+    old = {k: v for k, v in data.items() if k != "routing"}  # a Turn written before routing
+    data["routing"]["rows"] += 5  # more rows than the call has tokens
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(orjson.dumps(old) + b"\n" + orjson.dumps(data) + b"\n")
+    with pytest.raises(RecordError, match=r"t.jsonl:2: routing: rows 0\.\.\d+ do not fit"):
+        list(read_jsonl(path, Turn))
+    assert next(iter(read_jsonl(path, Turn))).routing is None
+
+
+def test_a_set_aside_turn_file_takes_its_sidecar_along(tmp_path: Path) -> None:
+    from legorl.rollout import _set_aside
+
+    turns, routing = tmp_path / "r1.jsonl", tmp_path / "r1.routing"
+    turns.write_text("{}\n")
+    routing.write_bytes(b"x")
+    _set_aside(turns)
+    assert (tmp_path / "r1.jsonl.orphan-1").exists() and (tmp_path / "r1.routing.orphan-1").exists()
+    assert not routing.exists()
