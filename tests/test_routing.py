@@ -303,3 +303,52 @@ def test_a_set_aside_turn_file_takes_its_sidecar_along(tmp_path: Path) -> None:
     _set_aside(turns)
     assert (tmp_path / "r1.jsonl.orphan-1").exists() and (tmp_path / "r1.routing.orphan-1").exists()
     assert not routing.exists()
+
+
+def test_a_sample_opened_inside_a_segment_keeps_its_left_contexts_routing(
+    tmp_path: Path,
+) -> None:
+    # turn 1 rewinds to position 5 of its segment with other tokens: align opens a new sample
+    # whose first 5 positions are turn 0's (computed by it) and the rest turn 1's own rows
+    rng = np.random.default_rng(0)
+    rows0 = rng.integers(0, 4, (12, 2, 2)).astype(np.uint8)
+    rows1 = rng.integers(0, 4, (4, 2, 2)).astype(np.uint8)
+    with RoutingWriter(tmp_path / "s.routing", LAYOUT) as w:
+        (r0, h0), (r1, h1) = w.append(rows0), w.append(rows1)
+
+    def turn(i: int, offset: int, delta: list[int], completion: list[int], ref: RoutingRef) -> Turn:
+        return Turn(
+            session="s", turn=i, segment=0, api="openai_chat", model="m",
+            prompt_offset=offset, prompt_delta=delta, completion_ids=completion,
+            completion_logprobs=[-0.5] * len(completion), finish_reason="stop", routing=ref,
+        )  # fmt: skip
+
+    turns = [
+        turn(
+            0,
+            0,
+            list(range(10, 20)),
+            [20, 21, 22],
+            RoutingRef(file="s.routing", row=r0, rows=12, start=0, sha256=h0),
+        ),
+        turn(
+            1,
+            5,
+            [99, 98, 97],
+            [50, 51],
+            RoutingRef(file="s.routing", row=r1, rows=4, start=5, sha256=h1),
+        ),
+    ]
+    traj = Trajectory(
+        trajectory_id="t", task_id="x", group_id="g", sample_index=0, harness="h",
+        status="ok", turns=turns, reward=1.0,
+    )  # fmt: skip
+    stats = AlignStats()
+    first, second = align([traj], base_dir=tmp_path, stats=stats)
+    assert stats.breaks == 1 and second.input_ids == [10, 11, 12, 13, 14, 99, 98, 97, 50, 51]
+    reader = ChunkReader(LAYOUT)
+    rows, has = reader.sample_rows(first)
+    assert has[:12].all() and (rows[:12] == rows0).all()
+    rows, has = reader.sample_rows(second)
+    assert has[:9].all() and not has[9]
+    assert (rows[:5] == rows0[:5]).all() and (rows[5:9] == rows1).all()
