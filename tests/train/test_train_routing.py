@@ -50,9 +50,10 @@ def test_replay_closes_the_routing_gap_to_a_bf16_engine(samples: list[Sample]) -
     assert off[(1, "routing_mismatch")] is not None and off[(1, "routing_mismatch")] > 0
     assert off[(1, "router_disagreement")] == off[(1, "routing_mismatch")]
     # with it, every recorded token runs the engine's experts; the trainer's own router would
-    # still disagree as often (that is what replay overrides)
+    # still disagree (that is what replay overrides)
     assert r3[(1, "routing_mismatch")] == 0.0
-    assert r3[(1, "router_disagreement")] == off[(1, "router_disagreement")]
+    # (not exactly as often: replayed experts in one layer change the next layer's input)
+    assert (r3[(1, "router_disagreement")] or 0) > 0
     p_off, p_r3 = off[(1, "rollout_trainer_pearson")], r3[(1, "rollout_trainer_pearson")]
     assert p_off is not None and p_r3 is not None and p_r3 >= p_off
     big_off, big_r3 = off[(1, "logprob_diff_over_0.1")], r3[(1, "logprob_diff_over_0.1")]
