@@ -144,7 +144,9 @@ def loop(
     ] = _D.engine,
     engine_opt: Annotated[
         list[str] | None,
-        typer.Option("--engine-opt", help="vllm engine KEY=VALUE, e.g. dtype=bfloat16."),
+        typer.Option(
+            "--engine-opt", help="Engine KEY=VALUE, e.g. dtype=bfloat16 (embedded: dtype only)."
+        ),
     ] = None,
     use_async: Annotated[
         bool,

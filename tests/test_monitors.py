@@ -199,3 +199,13 @@ def test_alert_and_trainer_logprobs_records_round_trip_and_reject_bad_lines(
         from_dict({"schema": "legorl/alert@1", "kind": "hack", "message": "m", "colour": 1})
     with pytest.raises(FieldError, match="schema"):
         from_dict({"schema": "legorl/turn@1", "kind": "hack", "message": "m"}, Alert)
+
+
+def test_routing_mismatch_alerts_once_while_it_lasts() -> None:
+    monitor = Monitor(stream=None)
+    values = [0.0, 0.004, 0.03, 0.05, 0.0, 0.02]
+    fired = [monitor.observe_metric(m) for m in metrics("routing_mismatch", values)]
+    assert [i for i, a in enumerate(fired) if a] == [2, 5]
+    assert monitor.alerts[0].kind == "routing"
+    assert "3.0% of MoE tokens ran other experts" in monitor.alerts[0].message
+    assert "router_replay=r3" in monitor.alerts[0].message

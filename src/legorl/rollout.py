@@ -51,6 +51,7 @@ from legorl.records import (
     from_object,
     read_jsonl,
 )
+from legorl.routing import sidecar_of
 
 
 @dataclass(slots=True, kw_only=True)
@@ -170,6 +171,9 @@ def _set_aside(path: Path) -> None:
         while path.with_name(f"{path.name}.orphan-{n}").exists():
             n += 1
         path.rename(path.with_name(f"{path.name}.orphan-{n}"))
+        routing = sidecar_of(path)  # its MoE routing, whose rows the Turns point at
+        if routing.exists():
+            routing.rename(routing.with_name(f"{routing.name}.orphan-{n}"))
 
 
 async def run_one(run: Run, ctx: RunContext) -> Trajectory:

@@ -119,6 +119,12 @@ def _loop_async(args: argparse.Namespace) -> dict[str, Any]:
     return bench_loop_async(quick=args.quick)
 
 
+def _routing(args: argparse.Namespace) -> dict[str, Any]:
+    from legorl.bench.routing import bench_routing
+
+    return bench_routing(quick=args.quick)
+
+
 BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "records_io": _records_io,
     "proxy": _proxy,
@@ -132,6 +138,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "decode": _decode,
     "realsuite": _realsuite,
     "train": _train,
+    "routing": _routing,
     "vllm": _vllm,
     "async": _loop_async,
     "vllm_failover": _vllm_failover,

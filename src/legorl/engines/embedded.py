@@ -42,6 +42,12 @@ adapter. ``load_adapter(name, path)`` loads more named adapters beside it; every
 each batch row through its own request's adapter (``GenerationRequest.adapter``), so sessions on
 different adapters share one base model and one batch. Only full-attention decoders (Llama/Qwen-style dynamic KV caches) are
 supported; sliding-window or linear-attention layers are refused at load.
+
+MoE routing: on a mixture-of-experts model (``legorl.routing.router_modules``), a request with
+a ``routing`` capture gets the top-k expert ids each MoE layer chose for every position the
+engine computes for it, prefill chunks and decode steps alike, from the first position not
+served from the prefix cache. A forward hook on each router keeps its indices during the
+forwards of such requests only; the others run as before.
 """
 
 from __future__ import annotations
@@ -186,6 +192,7 @@ class EmbeddedEngine:
         self.max_context = config.max_context or max_context_of(self._model)
         self._vocab = int(self._model.get_input_embeddings().num_embeddings)
         self._device = next(self._model.parameters()).device
+        self._routing_setup()
         self._closed = False
         self._inbox: queue.SimpleQueue[_Sequence | _Load | _Stop] = queue.SimpleQueue()
         # Worker state: touched only by the worker thread.
@@ -276,6 +283,36 @@ class EmbeddedEngine:
                 f"adapter {request.adapter!r} is not loaded on this engine (loaded: {loaded})"
             )
 
+    def _routing_setup(self) -> None:
+        from legorl.routing import layout_of, router_modules
+
+        self.routing_layout = layout_of(self._model)
+        self._routed: list[torch.Tensor] | None = None  # routers' indices during a capture
+
+        def keep(module: Any, args: Any, output: Any) -> None:
+            if self._routed is not None:
+                self._routed.append(output[2])  # [B * T, k] expert ids
+
+        for router in router_modules(self._model):
+            router.register_forward_hook(keep)
+
+    def _capturing(self, seqs: list[_Sequence]) -> bool:
+        wanted = self.routing_layout is not None and any(
+            s.request.routing is not None for s in seqs
+        )
+        self._routed = [] if wanted else None
+        return wanted
+
+    def _routed_rows(self, batch: int) -> Any:
+        """The captured forward's routing as ``[B, T, layers, k]`` uint8/uint16 (numpy)."""
+        import torch
+
+        assert self._routed is not None and self.routing_layout is not None
+        routed, self._routed = self._routed, None
+        rows = torch.stack(routed)  # [L, B * T, k]
+        rows = rows.reshape(len(routed), batch, -1, rows.shape[-1]).permute(1, 2, 0, 3)
+        return rows.to("cpu").numpy().astype(self.routing_layout.dtype())
+
     def _check_cache_layout(self) -> None:
         from transformers import DynamicCache
         from transformers.cache_utils import DynamicLayer
@@ -365,6 +402,7 @@ class EmbeddedEngine:
             seq.generator.manual_seed(seed)
         key = req.cache_key
         cached = self._prefixes.pop(key, None) if key is not None else None
+        self._begin_routing(seq)
         if cached is None:
             return
         self._prefix_tokens -= len(cached.tokens)
@@ -375,6 +413,12 @@ class EmbeddedEngine:
             seq.cache = self._new_cache(kept, capacity=self._own_room(seq))
             seq.n_cached = n
             self.stats.reused_tokens += n
+            self._begin_routing(seq)
+
+    def _begin_routing(self, seq: _Sequence) -> None:
+        capture = seq.request.routing
+        if capture is not None and self.routing_layout is not None:
+            capture.begin(self.routing_layout, seq.n_cached)
 
     def _prefill_step(self) -> None:
         import torch
@@ -386,7 +430,8 @@ class EmbeddedEngine:
         positions = torch.arange(lo, hi, device=self._device)[None]  # [1, c]
         if seq.cache is None:
             seq.cache = self._new_cache(None, capacity=self._own_room(seq))
-        with self._routed([seq]):
+        capture = self._capturing([seq])
+        with self._routed([seq]):  # the rows' LoRA adapters
             out = self._model(
                 input_ids=ids,
                 position_ids=positions,
@@ -394,6 +439,9 @@ class EmbeddedEngine:
                 use_cache=True,
                 logits_to_keep=1,
             )
+        if capture:
+            assert seq.request.routing is not None
+            seq.request.routing.add(self._routed_rows(1)[0])  # [c, L, k]
         seq.n_cached = hi
         self.stats.prefill_tokens += hi - lo
         if hi < seq.prompt_len:
@@ -415,7 +463,8 @@ class EmbeddedEngine:
         ids = torch.tensor([[s.tokens[-1]] for s in batch], device=self._device)  # [B, 1]
         positions = torch.tensor([[s.n_cached] for s in batch], device=self._device)  # [B, 1]
         mask = torch.cat([mask, mask.new_ones(n, 1)], dim=1)  # [B, P + 1]
-        with self._routed(batch):
+        capture = self._capturing(batch)
+        with self._routed(batch):  # the rows' LoRA adapters
             out = self._model(
                 input_ids=ids,
                 attention_mask=mask,
@@ -424,6 +473,11 @@ class EmbeddedEngine:
                 use_cache=True,
                 logits_to_keep=1,
             )
+        if capture:
+            rows = self._routed_rows(n)  # [B, 1, L, k]
+            for s, row in zip(batch, rows, strict=True):
+                if s.request.routing is not None:
+                    s.request.routing.add(row)
         self._batch_mask = mask
         for s in batch:
             s.n_cached += 1

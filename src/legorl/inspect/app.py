@@ -131,11 +131,13 @@ class DetailScreen(Screen[None]):
 
 
 class TokenScreen(Screen[None]):
-    """One sample's tokens, coloured by rollout log-prob or by |Δ log-prob|."""
+    """One sample's tokens, coloured by rollout log-prob, by |Δ log-prob| or (MoE) by whether
+    the trainer routed them elsewhere than the rollout."""
 
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "app.pop_screen", "Back"),
         Binding("d", "toggle_mode", "Log-prob / |Δ|"),
+        Binding("r", "routing_mode", "MoE routing"),
         Binding("n", "step(1)", "Next sample"),
         Binding("N", "step(-1)", "Previous sample"),
     ]
@@ -181,8 +183,9 @@ class TokenScreen(Screen[None]):
         self.query_one("#token-legend", Static).update(
             render.token_legend(self.mode, trainer is not None)
         )
+        differs = side.routing_differs if side is not None else None
         self.query_one("#token-body", Static).update(
-            render.token_text(sample, self.decoder, trainer, self.mode)
+            render.token_text(sample, self.decoder, trainer, self.mode, differs)
         )
 
     def action_toggle_mode(self) -> None:
@@ -190,6 +193,14 @@ class TokenScreen(Screen[None]):
             self.notify("no trainer log-probs for this sample", timeout=3)
             return
         self.mode = "logprob" if self.mode == "delta" else "delta"
+        self.draw()
+
+    def action_routing_mode(self) -> None:
+        side = self.store.trainer_logprobs.get(self.sample_id)
+        if side is None or side.routing_differs is None:
+            self.notify("no MoE routing comparison for this sample", timeout=3)
+            return
+        self.mode = "logprob" if self.mode == "routing" else "routing"
         self.draw()
 
     def action_step(self, delta: int) -> None:

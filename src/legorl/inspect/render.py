@@ -308,15 +308,22 @@ def delta_badness(delta: float) -> float:
 MASKED = Style(color="grey50", italic=True)
 
 
+ROUTED_ELSEWHERE = Style(color="white", bgcolor="magenta", bold=True)
+ROUTED_SAME = Style(color="black", bgcolor="rgb(80,200,60)")
+
+
 def token_text(
     sample: Sample,
     decoder: Decoder | None,
     trainer_logprobs: Sequence[float] | None = None,
     mode: str = "logprob",
+    routing_differs: Sequence[int] | None = None,
 ) -> Text:
     """The sample's tokens: prompt and tool-result tokens (loss mask 0) grey; sampled tokens on
     a background coloured by rollout log-prob (``mode="logprob"``) or by |rollout − trainer|
-    (``mode="delta"``, when trainer log-probs are given)."""
+    (``mode="delta"``, when trainer log-probs are given). ``mode="routing"`` (a MoE sample with
+    ``routing_differs``): every token whose experts the trainer's router chose otherwise than
+    the rollout's on magenta, the sampled others green."""
     out = Text()
     k = 0
     use_delta = (
@@ -324,9 +331,17 @@ def token_text(
         and trainer_logprobs is not None
         and len(trainer_logprobs) == len(sample.rollout_logprobs)
     )
-    for token_id, mask in zip(sample.input_ids, sample.loss_mask, strict=True):
+    differs = set(routing_differs) if mode == "routing" and routing_differs is not None else None
+    for position, (token_id, mask) in enumerate(
+        zip(sample.input_ids, sample.loss_mask, strict=True)
+    ):
         piece = decoder.piece(token_id) if decoder is not None else f"⟨{token_id}⟩"
         shown = piece.replace("\t", "→").replace("\n", "↵\n")
+        if differs is not None:
+            k += mask
+            style = ROUTED_ELSEWHERE if position in differs else ROUTED_SAME if mask else MASKED
+            out.append(shown, style=style)
+            continue
         if not mask:
             out.append(shown, style=MASKED)
             continue
@@ -345,6 +360,12 @@ def token_legend(mode: str, has_trainer: bool) -> Text:
     legend = Text()
     legend.append("prompt / tool output (not trained)", style=MASKED)
     legend.append("   ")
+    if mode == "routing":
+        legend.append(" routed elsewhere by the trainer ", style=ROUTED_ELSEWHERE)
+        legend.append(" ")
+        legend.append(" same experts ", style=ROUTED_SAME)
+        legend.append("   (r: back to log-probs)", style="dim")
+        return legend
     if mode == "delta" and has_trainer:
         legend.append("|Δ log-prob| ", style="bold")
         for label, t in (

@@ -177,7 +177,7 @@ class Runner:
                 import torch
 
                 device = "cuda" if torch.cuda.is_available() else "cpu"
-            options = {"device": device}
+            options = {"device": device, **c.engine_options}  # and its dtype, when given
         # A continued loop starts the engine on the last checkpoint: its version is the one
         # those weights had, not 0.
         engine = EngineSpec(

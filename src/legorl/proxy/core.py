@@ -9,7 +9,10 @@ and Google's ``/v1beta/models/{model}:generateContent``, ``:streamGenerateConten
 ``:countTokens``, each under ``/s/{session}``; ``legorl.proxy.wire`` has their formats.
 
 ``handle`` never raises for a client's mistake: it answers in the calling API's error shape.
-Every answered call is appended as a Turn record to ``{out}/{session}.jsonl``.
+Every answered call is appended as a Turn record to ``{out}/{session}.jsonl``. On a
+mixture-of-experts model served by an engine that records routing (embedded), the experts each
+MoE layer chose for every token the call computed go to ``{out}/{session}.routing``
+(``legorl.routing``), appended before the Turn that refers to them by rows and checksum.
 
 Sessions come in two kinds. A session opened with ``open_session`` (the rollout, in-process or
 through ``POST /admin/sessions``) is a capability: it is reachable only at the route that call
@@ -78,12 +81,16 @@ from legorl.proxy.wire import WIRES
 from legorl.records import (
     Failover,
     JsonlWriter,
+    JsonlWriter,
+    RoutingRef,
     SessionReport,
     ToolCall,
     Turn,
     TurnFlags,
     TurnOutput,
 )
+from legorl.routing import SUFFIX as ROUTING_SUFFIX
+from legorl.routing import RoutingCapture, RoutingWriter
 
 _OPEN_TURN_FILES = 256  # Turn files kept open at once; older ones are reopened when needed
 _SESSION_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -569,6 +576,7 @@ class ProxyCore:
             # whole; with stop strings the stream is cut where one appears, token by token.
             stream=req.stream or bool(req.stop),
             adapter=session.adapter,
+            routing=RoutingCapture() if self.out is not None else None,
         )
         parser = OutputParser(wire.tool_call_id)
         detok = Detokenizer(self.tok.decode, self.tok.special_ids)
@@ -640,6 +648,7 @@ class ProxyCore:
                     adapter,
                     max_tokens,
                     gen_req.placement,
+                    gen_req.routing,
                     {
                         **meta,
                         "first_token_s": first_token_s,
@@ -686,6 +695,7 @@ class ProxyCore:
         adapter: tuple[str, int] | None,
         max_tokens: int,
         placement: Placement,
+        routing: RoutingCapture | None,
         meta: dict[str, float],
     ) -> None:
         session_id = session.id
@@ -737,6 +747,7 @@ class ProxyCore:
             )
             if placement.failed
             else None,
+            routing=self._write_routing(session_id, routing, plan, ids),
         )
         writer = self._writers.pop(session_id, None)
         if writer is None:
@@ -746,6 +757,20 @@ class ProxyCore:
                 self._writers.pop(next(iter(self._writers))).close()  # least recently used
         self._writers[session_id] = writer
         writer.write(turn)
+
+    def _write_routing(
+        self, session_id: str, capture: RoutingCapture | None, plan: PromptPlan, ids: list[int]
+    ) -> RoutingRef | None:
+        """Append the call's routing to the session's sidecar; the Turn's reference to it."""
+        if capture is None or capture.layout is None or self.out is None:
+            return None
+        prompt_len = plan.prompt_offset + len(plan.prompt_delta)
+        # the last sampled token was never fed back: its routing comes with the next call
+        rows = capture.rows(prompt_len + len(ids) - 1 if ids else prompt_len)
+        name = f"{session_id}{ROUTING_SUFFIX}"
+        with RoutingWriter(self.out / name, capture.layout) as writer:
+            first, sha = writer.append(rows)
+        return RoutingRef(file=name, row=first, rows=len(rows), start=capture.start, sha256=sha)
 
 
 class _StopStrings:

@@ -25,6 +25,8 @@ AdvantageMode = Literal["auto", "grpo", "drgrpo", "sample"]
 Correction = Literal["none", "tis", "token_mask", "seq_mask"]
 Precision = Literal["fp32", "bf16"]
 Attention = Literal["varlen_sdpa", "sdpa", "eager", "flash_attention_2"]
+RouterReplayMode = Literal["off", "r3"]
+MissingRouting = Literal["refuse", "mask"]
 
 
 @dataclass(kw_only=True)
@@ -56,6 +58,11 @@ class TrainConfig:
     token_mask_high: float = 2.0
     seq_mask_low: float = 0.99  # sequence mask: keep episodes whose geometric-mean ratio is in
     seq_mask_high: float = 1.01
+    # MoE models: r3 runs the experts the rollout engine chose for each token (recorded in
+    # Sample.routing), gate weights from the trainer's own router logits (train/routing.py)
+    router_replay: RouterReplayMode = "off"
+    # r3 with samples lacking routing for some tokens: refuse (stop), or mask those loss tokens
+    router_replay_missing: MissingRouting = "refuse"
     # --- data -------------------------------------------------------------------------------
     train_aux: bool = False  # train auxiliary sub-session samples (sub-agents, titles)
     drop_zero_variance_groups: bool = True  # groups with equal rewards: no gradient, not run
@@ -234,6 +241,10 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
     """``value`` as field type ``tp``; strings from ``key=value`` are parsed as YAML scalars."""
     if get_origin(tp) is Literal:
         allowed = get_args(tp)
+        if isinstance(value, bool):  # YAML 1.1 reads off / on / no / yes as booleans
+            words = ("off", "no", "false") if not value else ("on", "yes", "true")
+            spelled = [a for a in allowed if isinstance(a, str) and a in words]
+            value = spelled[0] if len(spelled) == 1 else value
         if value not in allowed:
             raise ConfigError(
                 f"{key}: must be one of {', '.join(map(str, allowed))}, got {value!r}"

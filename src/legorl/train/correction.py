@@ -81,6 +81,7 @@ def mismatch_metrics(old: Tensor, mu: Tensor, weight: Tensor) -> dict[str, float
             "kl_k3_rollout_old",
             "is_ess",
             "masked_fraction",
+            "logprob_diff_over_0.1",
         ]
         return dict.fromkeys(names)
     old, mu = old.double(), mu.double()
@@ -97,4 +98,6 @@ def mismatch_metrics(old: Tensor, mu: Tensor, weight: Tensor) -> dict[str, float
         # effective sample size of the raw IS weights, as a fraction of the tokens
         "is_ess": float(rho.sum().square() / (rho.square().sum() * rho.numel())),
         "masked_fraction": float((weight <= 0).double().mean()),
+        # share of tokens whose log-probs differ by more than 0.1 (MoE routing flips do this)
+        "logprob_diff_over_0.1": float((log_rho.abs() > 0.1).double().mean()),
     }

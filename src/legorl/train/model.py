@@ -45,6 +45,7 @@ class TokenScorer(nn.Module):
         self.lm = lm
         self.temperature = temperature
         self.chunk = chunk
+        self.replay: Any = None  # train.routing.RouterReplay: MoE routing of the next forward
 
     def _score(
         self, hidden: torch.Tensor, targets: torch.Tensor, entropy: list[str]
@@ -66,12 +67,16 @@ class TokenScorer(nn.Module):
         targets: torch.Tensor,  # [N]
         *,
         entropy: bool | str = False,
+        routing: torch.Tensor | None = None,  # [L, T, k] recorded MoE routing, for ``replay``
+        routing_rows: list[tuple[int, int]] | None = None,  # (sample, start) laid in the row
         **attention_kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs [N] of ``targets`` and the policy's entropy [N] there: ``entropy=True`` (or
         ``"grad"``) with a gradient, ``"value"`` without one (for metrics), False not at all."""
         from torch.utils.checkpoint import checkpoint
 
+        if self.replay is not None:
+            self.replay.use(routing, routing_rows)
         hidden = self.lm.get_decoder()(
             input_ids=input_ids, position_ids=position_ids, use_cache=False, **attention_kwargs
         ).last_hidden_state[0]  # [T, H]

@@ -91,6 +91,7 @@ class MicroBatch:
     samples: list[int]  # indices of the samples it holds, in row order
     real_tokens: int  # tokens of samples (T minus padding)
     pad_tokens: int
+    routing: torch.Tensor | None = None  # [L, T, k] recorded MoE experts, -1 where none (replay)
 
     @property
     def n_loss(self) -> int:
@@ -124,6 +125,7 @@ class MicroBatch:
             samples=self.samples,
             real_tokens=self.real_tokens,
             pad_tokens=self.pad_tokens,
+            routing=self.routing.to(device) if self.routing is not None else None,
         )
 
 

@@ -58,6 +58,12 @@ from legorl.train.distributed import (
 from legorl.train.losses import LossOut, episode_sums, policy_loss
 from legorl.train.model import TokenScorer, load_policy
 from legorl.train.packing import MicroBatch, build_micro_batch, pack_lengths, padded_length
+from legorl.train.routing import (
+    RouterReplay,
+    RoutingSetupError,
+    check_router_replay,
+    setup_routing,
+)
 
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "trainer_state.json"
@@ -190,12 +196,20 @@ def _score(
     scorer: Any, mb: MicroBatch, config: TrainConfig, device: Any, *, entropy: bool | str = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     mb = mb.to(device)
+    routing: dict[str, Any] = {}
+    if mb.routing is not None:  # MoE routing replay (train/routing.py)
+        starts = mb.bounds[: len(mb.samples)]
+        routing = {
+            "routing": mb.routing,
+            "routing_rows": list(zip(mb.samples, starts, strict=True)),
+        }
     return scorer(
         mb.input_ids,
         mb.position_ids,
         mb.logit_index,
         mb.targets,
         entropy=entropy,
+        **routing,
         **mb.attention_kwargs(config.attention),
     )
 
@@ -333,7 +347,7 @@ def lr_param_groups(
 
 def check_parameter_choice(model_dir: str | Path, config: TrainConfig) -> None:
     """Raise TrainError, as ``train`` would, when ``train_params``, ``scale_only`` or an
-    ``lr_groups`` entry takes no parameter of the model in ``model_dir``; only its names are built (meta device).
+    ``lr_groups`` entry takes no parameter, or router_replay=r3 meets a dense model of the model in ``model_dir``; only its names are built (meta device).
     A model that cannot be built this way is not checked here: ``train`` says what is wrong."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -352,6 +366,10 @@ def check_parameter_choice(model_dir: str | Path, config: TrainConfig) -> None:
     params = trained_parameters(lm, config.train_params)
     scale_only_targets(lm, params, config)
     lr_param_groups(lm, params, config)
+    try:  # router_replay=r3 on a dense model
+        check_router_replay(lm, model_dir, config)
+    except RoutingSetupError as exc:
+        raise TrainError(str(exc)) from None
 
 
 def _batch_metrics(batch: Batch) -> dict[str, float | None]:
@@ -598,6 +616,9 @@ class StepStats:
     kept: float = 0.0  # tokens that take part in the loss
     entropy: float = 0.0  # Σ entropy over kept tokens
     kl: float = 0.0  # Σ k3 KL to the reference over kept tokens
+    routed: float = 0.0  # positions with recorded MoE routing (train/routing.py)
+    routing_differ: float = 0.0  # of those, where the forward ran other experts than recorded
+    router_disagree: float = 0.0  # where the trainer's own router chose other experts
 
     def add(self, res: LossOut, keep: torch.Tensor, entropy: torch.Tensor | None) -> None:
         self.loss += float(res.loss.detach())
@@ -643,6 +664,8 @@ def step_metrics(
         "clip_fraction": stats.clipped / kept,
         "entropy": stats.entropy / kept,
         "kl_ref": stats.kl / kept if has_ref else None,
+        "routing_mismatch": stats.routing_differ / stats.routed if stats.routed else None,
+        "router_disagreement": stats.router_disagree / stats.routed if stats.routed else None,
         "grad_norm": grad_norm,
         "lr": tokens.config.lr,
         **_batch_metrics(batch),
@@ -661,7 +684,9 @@ def step_metrics(
     }
 
 
-def trainer_logprobs(tokens: Tokens, step: int) -> list[TrainerLogprobs]:
+def trainer_logprobs(
+    tokens: Tokens, step: int, replay: RouterReplay | None = None
+) -> list[TrainerLogprobs]:
     """π_old of each sample's loss tokens, for ``legorl inspect`` (samples with a token no
     process scored are left out)."""
     batch, out = tokens.batch, []
@@ -675,6 +700,7 @@ def trainer_logprobs(tokens: Tokens, step: int) -> list[TrainerLogprobs]:
                     logprobs=lps.tolist(),
                     step=step,
                     policy_version=sample.policy_version,
+                    routing_differs=replay.differs.get(i) if replay is not None else None,
                 )
             )
     return out
@@ -838,6 +864,13 @@ def train(
     )
     if batch.counts["samples_read"] == 0:
         raise TrainError("no samples in the input")
+    try:
+        replay = setup_routing(lm, batch, config, model_dir)
+    except RoutingSetupError as exc:
+        raise TrainError(str(exc)) from None
+    accelerator.unwrap_model(scorer).replay = replay
+    if replay is not None and replay.masked_tokens:
+        say(f"router_replay_missing=mask: {replay.masked_tokens} loss tokens without routing")
     say(
         f"{len(batch.samples)} samples, {len(batch.episode_ids)} episodes in "
         f"{len(batch.group_ids)} groups ({batch.zero_variance_groups} with equal rewards), "
@@ -848,6 +881,9 @@ def train(
         config.mini_batch_episodes, shuffle=config.shuffle, seed=config.seed
     )
     plans = [plan_step(batch, c, config, rank, world, pad_id) for c in chunks if c]
+    if replay is not None:  # each micro-batch carries its row's recorded routing
+        for mb in (mb for plan in plans for mb in plan.mine):
+            replay.attach(mb, batch)
     N = batch.n_tokens
     tokens = Tokens(
         batch,
@@ -901,6 +937,8 @@ def train(
                 # DDP/FSDP average over processes: scale so the average is the whole step's loss
                 accelerator.backward(res.loss * world)
             stats.add(res, keep, entropy)
+        if replay is not None:
+            stats.routed, stats.routing_differ, stats.router_disagree = replay.take()
         if inputs.fresh:  # every process now learns π_old of the tokens the others scored
             gathered = accelerator.reduce(inputs.fresh_old.to(device), "sum").cpu()
             tokens.old[plan.tokens] = gathered[plan.tokens]
@@ -939,7 +977,8 @@ def train(
         say("no trainable episodes (every group has equal rewards): weights unchanged")
         for name, value in {**_batch_metrics(batch), "updated": 0.0}.items():
             record(global_step + 1, name, value)
-    pi_old = trainer_logprobs(tokens, int(state.get("global_step", 0)) + 1) if main else []
+    start_step = int(state.get("global_step", 0)) + 1
+    pi_old = trainer_logprobs(tokens, start_step, replay) if main else []
 
     # ---- checkpoint and weight sync ---------------------------------------------------------
     version = None
