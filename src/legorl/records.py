@@ -152,6 +152,9 @@ class Failover:
     reprefilled_tokens: int = 0
     resumed_at: int = 0
     stalled_s: float = 0.0  # from the failed replica's last token (or the call's start) to the next
+
+
+@dataclass(slots=True, kw_only=True)
 class RoutingRef:
     """Where a Turn's MoE routing lives (``legorl.routing``): ``rows`` rows from row ``row`` of
     the sidecar ``file`` (relative to the Turn file's folder), one per token position the call

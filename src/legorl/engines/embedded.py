@@ -287,11 +287,11 @@ class EmbeddedEngine:
         from legorl.routing import layout_of, router_modules
 
         self.routing_layout = layout_of(self._model)
-        self._routed: list[torch.Tensor] | None = None  # routers' indices during a capture
+        self._captured: list[torch.Tensor] | None = None  # routers' indices during a capture
 
         def keep(module: Any, args: Any, output: Any) -> None:
-            if self._routed is not None:
-                self._routed.append(output[2])  # [B * T, k] expert ids
+            if self._captured is not None:
+                self._captured.append(output[2])  # [B * T, k] expert ids
 
         for router in router_modules(self._model):
             router.register_forward_hook(keep)
@@ -300,15 +300,15 @@ class EmbeddedEngine:
         wanted = self.routing_layout is not None and any(
             s.request.routing is not None for s in seqs
         )
-        self._routed = [] if wanted else None
+        self._captured = [] if wanted else None
         return wanted
 
     def _routed_rows(self, batch: int) -> Any:
         """The captured forward's routing as ``[B, T, layers, k]`` uint8/uint16 (numpy)."""
         import torch
 
-        assert self._routed is not None and self.routing_layout is not None
-        routed, self._routed = self._routed, None
+        assert self._captured is not None and self.routing_layout is not None
+        routed, self._captured = self._captured, None
         rows = torch.stack(routed)  # [L, B * T, k]
         rows = rows.reshape(len(routed), batch, -1, rows.shape[-1]).permute(1, 2, 0, 3)
         return rows.to("cpu").numpy().astype(self.routing_layout.dtype())

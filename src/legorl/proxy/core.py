@@ -81,7 +81,6 @@ from legorl.proxy.wire import WIRES
 from legorl.records import (
     Failover,
     JsonlWriter,
-    JsonlWriter,
     RoutingRef,
     SessionReport,
     ToolCall,
