@@ -292,7 +292,8 @@ async def _undefended(traj: Trajectory, task: Task) -> float:
     if task.log_parser != "pytest":
         # Django's runner: its printed output, read by the official parser.
         grader = specs.resolve(task)
-        outcome = {t: w for t, w in runner._parse_printed(grader, run.output, task).items()}
+        parsed, _ = await runner._parse_printed(grader, run.output, task)
+        outcome = dict(parsed)
     required = task.FAIL_TO_PASS + task.PASS_TO_PASS
     return 1.0 if all(outcome.get(t) == "PASSED" for t in required) else 0.0
 
