@@ -148,7 +148,7 @@ class _Variant:
         if self.share_net:
             # The local backend's bwrap flags, read by every exec. On the host's network the
             # proxy is reached at its own address (the relay's inside port is the proxy's).
-            flags = box._flags
+            flags = box._head
             flags.insert(flags.index("--unshare-all") + 1, "--share-net")
             box._port = None
         if self.setup:
