@@ -148,7 +148,7 @@ class _Variant:
         if self.share_net:
             # The local backend's bwrap flags, read by every exec. On the host's network the
             # proxy is reached at its own address (the relay's inside port is the proxy's).
-            flags = box._flags
+            flags = box._head
             flags.insert(flags.index("--unshare-all") + 1, "--share-net")
             box._port = None
         if self.setup:
@@ -292,7 +292,8 @@ async def _undefended(traj: Trajectory, task: Task) -> float:
     if task.log_parser != "pytest":
         # Django's runner: its printed output, read by the official parser.
         grader = specs.resolve(task)
-        outcome = {t: w for t, w in runner._parse_printed(grader, run.output, task).items()}
+        parsed, _ = await runner._parse_printed(grader, run.output, task)
+        outcome = dict(parsed)
     required = task.FAIL_TO_PASS + task.PASS_TO_PASS
     return 1.0 if all(outcome.get(t) == "PASSED" for t in required) else 0.0
 

@@ -209,7 +209,8 @@ def test_an_always_equal_result_is_judged_false_out_of_process(tmp_path: Path) -
     control = _grade(patch, off={"judge_assertions"})
     assert control.reward == 1.0, control.verdict
     held = _grade(patch)
-    assert held.reward == 0.0 and "does not hold" in str(held.verdict["assertion_failures"])
+    # the always-equal value is a float the judge compares with the gold run's 15
+    assert held.reward == 0.0 and "gold run" in str(held.verdict["assertion_failures"])
     assert "constant_comparison" in held.hack_flags  # the static check, a flag in both
     assert "constant_comparison" in control.hack_flags
 

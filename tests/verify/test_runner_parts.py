@@ -320,3 +320,13 @@ def test_a_marshalled_operand_is_checked_before_it_is_loaded() -> None:
         {"event": "a", "site": "s", "v": [{"m": binascii.b2a_base64(huge).decode()}]}
     )
     assert event is not None and event.plain == [False]
+
+
+def test_printed_passes_are_read_word_by_word_and_long_lines_are_skipped() -> None:
+    from legorl.verify import SCAN_LINE, printed_passes
+
+    required = {"t.py::test_a", "t.py::test_b"}
+    log = "t.py::test_a PASSED\nPASSED t.py::test_b\nnoise t.py::test_a PASSED\n"
+    assert printed_passes(log, required) == {"t.py::test_a", "t.py::test_b"}
+    flood = "a::" * (SCAN_LINE * 100) + " PASSED t.py::test_a\n"  # one line of 1.2 MB
+    assert printed_passes(flood, required) == set()

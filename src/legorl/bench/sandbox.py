@@ -9,7 +9,10 @@ For each backend that works here (Docker, bubblewrap):
 - cold build seconds per layer: base (Docker: debootstrap + import; skipped with ``quick``),
   env (a venv with pytest), instance (the one-commit repository), harness runtime (the tools'
   volume; skipped with ``quick``, and when the host lacks a part);
-- 16 sandboxes started at once on this machine: failures, left behind, seconds.
+- 16 sandboxes started at once on this machine: failures, left behind, seconds;
+- what a grading sandbox (``start(grading=True)``) costs: start → first command against an
+  agent sandbox's, and start → first judged command (which chowns the repository and makes
+  the judged user's private folders), medians of 5 taken in turns, as extra seconds and ratios.
 
 Layers built for the measurement carry a bench-only nonce in their recipe and are removed after.
 """
@@ -68,6 +71,33 @@ async def _start_to_first(
         "p90_s": _pct(times, 0.9),
         "close_p50_s": _pct(closes, 0.5),
         "n": n,
+    }
+
+
+async def _grading_cost(backend: Any, task: Any, tasks_dir: Path, n: int = 5) -> dict[str, Any]:
+    """Agent start, grading start, grading start with a judged first command, in turns."""
+    kinds = {"agent": (False, False), "grading": (True, False), "grading_judged": (True, True)}
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    for _ in range(n):
+        for kind, (grading, judged) in kinds.items():
+            t0 = time.perf_counter()
+            box = await backend.start(task, str(tasks_dir), run_id="bench", grading=grading)
+            try:
+                result = await box.exec("true", judged=judged)
+                times[kind].append(time.perf_counter() - t0)
+                assert result.exit_code == 0, result
+            finally:
+                await box.close()
+    p50 = {k: _pct(v, 0.5) for k, v in times.items()}
+    return {
+        "n": n,
+        "agent_start_to_first_command_p50_s": p50["agent"],
+        "grading_start_to_first_command_p50_s": p50["grading"],
+        "grading_start_to_first_judged_command_p50_s": p50["grading_judged"],
+        "grading_extra_s": round(p50["grading"] - p50["agent"], 4),
+        "grading_judged_extra_s": round(p50["grading_judged"] - p50["agent"], 4),
+        "grading_vs_agent_start": round(p50["grading"] / p50["agent"], 3),
+        "grading_judged_vs_agent_start": round(p50["grading_judged"] / p50["agent"], 3),
     }
 
 
@@ -227,6 +257,7 @@ def _one_backend(name: str, quick: bool) -> dict[str, Any]:
                 backend, task, tasks_dir, n, proxy
             ),
             "concurrent_16": await _concurrent(backend, task, tasks_dir),
+            "grading_start": await _grading_cost(backend, task, tasks_dir),
         }
 
     out: dict[str, Any] = asyncio.run(starts())

@@ -55,7 +55,9 @@ _NETWORK = re.compile(
     r"\b(curl|wget|nc|ncat|ssh|scp|ftp)\s|pip\s+(install|download)|urllib|requests\.(get|post)|"
     r"https?://|socket\.(create_connection|socket)"
 )
-_PASSED_LINE = re.compile(r"^(\S+::\S+)\s+PASSED|PASSED\s+(\S+::\S+)", re.MULTILINE)
+#: Lines longer than this are not read for evidence: every scan of text the judged code wrote is
+#: linear in its size.
+SCAN_LINE = 4096
 
 
 @dataclass(slots=True, kw_only=True)
@@ -345,8 +347,7 @@ async def _grade_once(
     if results.forged_lines and not test_run.run.truncated:
         flags.add("forged_report")
     # Only required tests have records of their own.
-    printed = {m.group(1) or m.group(2) for m in _PASSED_LINE.finditer(test_run.log)}
-    printed &= {*task.FAIL_TO_PASS, *task.PASS_TO_PASS}
+    printed = printed_passes(test_run.log, {*task.FAIL_TO_PASS, *task.PASS_TO_PASS})
     if any(results.outcomes.get(t) != "passed" for t in printed) or _writes_results(clean):
         flags.add("forged_output")
     if forged_printed(test_run, task):
@@ -368,10 +369,34 @@ async def _grade_once(
     return _done(traj, 1.0 if resolved else 0.0, verdict, flags, t0)
 
 
+def printed_passes(log: str, required: set[str]) -> set[str]:
+    """Required tests the printed output calls PASSED (``id PASSED`` or ``PASSED id``), read
+    word by word: linear in the log, whatever it holds."""
+    found = set()
+    for line in log.splitlines():
+        if len(line) > SCAN_LINE or "PASSED" not in line:
+            continue
+        words = line.split()
+        for i, word in enumerate(words):
+            if word != "PASSED":
+                continue
+            for near in (
+                words[i - 1] if i == 1 else None,
+                words[i + 1] if i + 1 < len(words) else None,
+            ):
+                if near in required:
+                    found.add(near)
+    return found
+
+
 def _writes_results(patch: str) -> bool:
     """Code added by the patch that prints test-runner verdicts (output may be captured, so
     the patch itself is read too)."""
-    added = (ln for ln in patch.splitlines() if ln.startswith("+") and not ln.startswith("+++"))
+    added = (
+        ln[:SCAN_LINE]
+        for ln in patch.splitlines()
+        if ln.startswith("+") and not ln.startswith("+++")
+    )
     return any(re.search(r"::test\w*\W.*\b(PASSED|passed)\b|\bPASSED\b", ln) for ln in added)
 
 

@@ -584,7 +584,33 @@ class _Rewriter(ast.NodeTransformer):
                 names = _type_names(cm.args[0])
             except _NotLiteral:
                 continue
-            self.sites[sid] = Site(sid, "raises", [(False, None)], types=names)
+            extra: dict[str, Any] = {}
+            # The message the block's exception must carry, a literal: held by the judge, and
+            # the wrapped manager made without it (it only checks the class then).
+            message = None
+            if last in ("assertRaisesMessage", "assertRaisesRegex", "assertRaisesRegexp"):
+                message = cm.args[1] if len(cm.args) > 1 else None
+                extra["match"] = "contains" if last == "assertRaisesMessage" else "regex"
+            elif name in ("pytest.raises", "raises"):
+                message = next((k.value for k in cm.keywords if k.arg == "match"), None)
+                extra["match"] = "regex"
+            if message is not None:
+                try:
+                    text = literal(message, self.bound, self.approx)
+                except _NotLiteral:
+                    text = None
+                if type(text) is str:
+                    extra["message"] = text
+                    if name in ("pytest.raises", "raises"):
+                        cm.keywords = [k for k in cm.keywords if k.arg != "match"]
+                    else:
+                        cm.func = ast.Attribute(
+                            value=cm.func.value,  # type: ignore[attr-defined]
+                            attr="assertRaises",
+                            ctx=ast.Load(),
+                        )
+                        cm.args = cm.args[:1]
+            self.sites[sid] = Site(sid, "raises", [(False, None)], types=names, extra=extra)
             item.context_expr = _call("raises", ast.Constant(sid), cm)
         return node
 
@@ -963,6 +989,15 @@ def _approx_ok(actual: Any, approx: Approx) -> bool:
     return abs(actual - expected) <= tolerance
 
 
+def _bounded_search(pattern: str, text: str) -> bool:
+    """``re.search`` of a test's own pattern (the judge's literal) in at most 64 KiB of the
+    exception's message: the pattern is the task's, the text the judged code's."""
+    try:
+        return re.search(pattern, text[: 1 << 16]) is not None
+    except re.error:
+        return False
+
+
 def _count_eq(a: Any, b: Any) -> bool:
     try:
         left, right = list(a), list(b)
@@ -995,6 +1030,16 @@ def holds(site: Site, values: list[Any], event: Event) -> bool:
             if a_id is None or b_id is None:
                 return False
             return (a_id == b_id) == (op == "same")
+        if op == "raises" and "message" in site.extra:
+            said = event.values[1] if len(event.values) > 1 else _MISSING
+            if type(said) is not str:
+                return False
+            wanted = site.extra["message"]
+            if site.extra.get("match") == "contains":
+                if wanted not in said:
+                    return False
+            elif not _bounded_search(wanted, said):
+                return False
         if op in _BY_TYPE:
             types = event.types[0] if event.types else None
             if types is None:
@@ -1219,13 +1264,20 @@ def judge_test(
             if event.ok is not True:
                 return Judgement("failed", detail=f"{site.id}: failed (judged in process)")
             continue
-        if len(event.values) != len(site.held):
+        if len(event.values) != len(site.held) and not (
+            site.op == "raises" and len(event.values) == 2
+        ):
             return Judgement(
                 "failed", detail=f"{site.id}: the event's operands do not fit the site"
             )
         values: list[Any] = []
         for i, ((is_held, held_value), value, was_plain) in enumerate(
-            zip(site.held, event.values, event.plain, strict=True)
+            zip(
+                site.held,
+                event.values[: len(site.held)],
+                event.plain[: len(site.held)],
+                strict=True,
+            )
         ):
             handle = event.keys[i] if i < len(event.keys) else None
             if is_held:

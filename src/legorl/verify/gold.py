@@ -134,8 +134,9 @@ class GoldStore:
             found = self._memory.get(key) or self._load(key)
             if found is None:
                 found = await self._record(task, record_run)
-                if found.ok:  # a failure may be transient: it is kept for this process only
-                    self._save(key, found)
+                if not found.ok:
+                    return found  # a failure is this moment's: the next grading records again
+                self._save(key, found)
             self._memory[key] = found
             return found
 

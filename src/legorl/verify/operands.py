@@ -244,7 +244,13 @@ class raises:
         names = None
         if kind is not None:
             names = [[str(c.__module__), str(c.__qualname__)] for c in kind.__mro__]
-        _send({"event": "a", "site": self.site, "v": [{"t": names}]})
+        said = {"x": "nothing raised"}
+        if value is not None:
+            try:
+                said = _pack(str(value))
+            except Exception as exc:  # an exception whose __str__ raises says nothing
+                said = {"x": type(exc).__name__}
+        _send({"event": "a", "site": self.site, "v": [{"t": names}, said]})
         return self.inner.__exit__(kind, value, tb)
 
 

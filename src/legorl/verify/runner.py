@@ -38,7 +38,7 @@ from legorl.records import Task
 from legorl.verify import assertions
 from legorl.verify.parsers import TestResults, parse_stream, records
 from legorl.verify.scans import constant_comparisons, runner_tamper_suspects
-from legorl.verify.specs import Grader, resolve, swebench_parser, test_files
+from legorl.verify.specs import Grader, parse_capped, resolve, test_files
 
 HERE = Path(__file__).resolve().parent
 DEFENCES = frozenset(
@@ -86,12 +86,12 @@ def _test_command(task: Task, grader: Grader, off: frozenset[str]) -> str:
         if "judge_assertions" in off or not argv or argv[0] in ("python", "python3"):
             return grader.command
         script = argv[0].removeprefix("./")
-        return shlex.join(["python", "-I", "-B", "-c", LOADER, "script", "--", script, *argv[1:]])
+        return _python(["-c", LOADER, "script", "--", script, *argv[1:]])
     if grader.kind == "unittest":
         argv = shlex.split(grader.command)
         if argv and argv[0] in ("python", "python3"):
             argv = argv[1:]
-        return shlex.join(["python", "-I", "-B", "-c", LOADER, "unittest", "--", *argv])
+        return _python(["-c", LOADER, "unittest", "--", *argv])
     # Our plugin, and nothing from the repository's own pytest options.
     args = pytest_args(replace(task, test_cmd=grader.command))
     if args is None:
@@ -99,7 +99,15 @@ def _test_command(task: Task, grader: Grader, off: frozenset[str]) -> str:
     if "isolated_runner" in off:
         return shlex.join(["python", "-m", "pytest", "-p", "legorl_pytest_report", *_EXTRA, *args])
     tail = [*_EXTRA, "--import-mode=append", *args]
-    return shlex.join(["python", "-I", "-B", "-c", LOADER, "pytest", "--", *tail])
+    return _python(["-c", LOADER, "pytest", "--", *tail])
+
+
+def _python(args: list[str]) -> str:
+    """The judged interpreter's command line: isolated (``-I`` also ignores
+    ``PYTHONPYCACHEPREFIX``, so the judged user's private cache folder is given with ``-X``:
+    no bytecode is read from the repository), writing none."""
+    prefix = '-X pycache_prefix="$PYTHONPYCACHEPREFIX"'
+    return f"python -I -B {prefix} {shlex.join(args)}"
 
 
 @dataclass(slots=True)
@@ -110,6 +118,7 @@ class TestRun:
     grader: Grader | None = None
     #: The official parser's reading of the printed output (test name -> its status word).
     parsed: dict[str, str] = field(default_factory=dict)
+    parse_error: str | None = None  # why the official parser gave no reading (a cap)
     #: The stream's assertion events by test key (`assertions.by_test`), and their records.
     events: dict[str, assertions.TestEvents] = field(default_factory=dict)
     records: list[dict[str, Any]] = field(default_factory=list)
@@ -186,8 +195,9 @@ async def run_tests(
         }
     )
     if "isolated_runner" in off and grader.kind == "pytest":
-        await sandbox.write_file(
-            "/tmp/legorl-legacy/legorl_pytest_report.py", (HERE / "pytest_report.py").read_bytes()
+        put = "mkdir -p /tmp/legorl-legacy && cat > /tmp/legorl-legacy/legorl_pytest_report.py"
+        await sandbox.exec(
+            ["sh", "-c", put], timeout=60, stdin=(HERE / "pytest_report.py").read_bytes()
         )
         env.update(PYTHONPATH="/tmp/legorl-legacy", LEGORL_REPORT="fd")
         env["LEGORL_INTEGRITY"] = "0" if "integrity" in off else "1"
@@ -205,7 +215,7 @@ async def run_tests(
     printed = run.output
     if through_bootstrap:
         printed = await _tail(sandbox, log)
-    parsed = _parse_printed(grader, printed, task)
+    parsed, parse_error = await _parse_printed(grader, printed, task)
     stream = run.output.encode()
     found, _ = records(stream, key.encode())
     if grader.kind == "output":
@@ -218,6 +228,7 @@ async def run_tests(
         log=printed,
         grader=grader,
         parsed=parsed,
+        parse_error=parse_error,
         events=assertions.by_test(found),
         records=[r for r in found if r.get("event") in ("a", "tb", "te")],
     )
@@ -231,22 +242,13 @@ async def _tail(sandbox: Sandbox, path: str) -> str:
     return result.output[-LOG_CAP:]
 
 
-def _parse_printed(grader: Grader, printed: str, task: Task) -> dict[str, str]:
+async def _parse_printed(
+    grader: Grader, printed: str, task: Task
+) -> tuple[dict[str, str], str | None]:
+    """The official parser's reading of what the run printed, capped (`specs.parse_capped`)."""
     if grader.parser is None:
-        return {}
-    from swebench.types import TestSpec
-
-    spec = TestSpec(
-        instance_id=task.instance_id,
-        image="",
-        eval_script_list=[],
-        repo=task.repo,
-        version=task.version,
-        FAIL_TO_PASS=task.FAIL_TO_PASS,
-        PASS_TO_PASS=task.PASS_TO_PASS,
-        log_parser=grader.parser,
-    )
-    return {str(k): str(v) for k, v in swebench_parser(grader.parser)(printed, spec).items()}
+        return {}, None
+    return await parse_capped(grader.parser, printed, task)
 
 
 #: The official parsers' status words, as legorl's outcomes (an expected failure passes there).
@@ -317,6 +319,8 @@ def judge(
     problems: list[str] = []
     grader = test_run.grader
     printed_only = grader is not None and grader.kind == "output"
+    if test_run.parse_error:
+        notes["parser"] = test_run.parse_error
     if grader is not None and printed_only:
         flags.add("output_parsed")
         notes["graded_from"] = f"printed output ({grader.parser})"

@@ -1,0 +1,246 @@
+"""Faults a patch can cause in grading, in real Docker (and the local backend for git): the
+grader's git ignores the patch's attributes, a grading failure the empty patch does not share
+is the patch's 0 (never null), one trajectory's exception leaves the batch graded, and
+``legorl verify`` under a memory cap survives a trajectory that floods output and turns the
+grader's log into a 1 GiB sparse file."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from legorl.protocols import SandboxBackend
+from legorl.records import Task, Trajectory, read_jsonl, write_jsonl
+from legorl.verify import VerifyConfig, verify
+
+ROOT = Path(__file__).resolve().parents[2]
+TASKS = ROOT / "fixtures" / "tasks"
+IN_CI = os.environ.get("CI") == "true"
+
+
+def _task() -> Task:
+    return next(iter(read_jsonl(TASKS / "train.jsonl", Task)))
+
+
+def _backend(name: str) -> Any:
+    import shutil
+
+    from legorl.sandbox import make_backend
+
+    if name == "docker":
+        ok = shutil.which("docker") is not None and os.system("docker info >/dev/null 2>&1") == 0
+    else:
+        ok = shutil.which("bwrap") is not None
+    if not ok:
+        if IN_CI:
+            pytest.fail(f"the {name} backend's runtime is missing (required under CI=true)")
+        pytest.skip(f"the {name} backend's runtime is missing")
+    return make_backend(name)
+
+
+def _new_file(path: str, text: str) -> str:
+    lines = text.splitlines()
+    body = "".join(f"+{ln}\n" for ln in lines)
+    return (
+        f"diff --git a/{path} b/{path}\nnew file mode 100644\n--- /dev/null\n+++ b/{path}\n"
+        f"@@ -0,0 +1,{len(lines)} @@\n{body}"
+    )
+
+
+#: Every attribute a patch could aim at the grader's git: encodings and eol for checkout and
+#: apply, ident, an undefined filter, binary merge and diff drivers, export-ignore, a macro.
+ATTRIBUTES = (
+    "[attr]evil eol=crlf text ident\n"
+    "tests/* working-tree-encoding=UTF-16 filter=lfs merge=binary diff=binary\n"
+    "* evil export-ignore whitespace=-trailing\n"
+)
+#: A change to the test file (the judge reverts it through git checkout).
+TOUCH_TESTS = (
+    "diff --git a/tests/test_geometry.py b/tests/test_geometry.py\n"
+    "--- a/tests/test_geometry.py\n+++ b/tests/test_geometry.py\n"
+    "@@ -42,2 +42,3 @@ def test_is_valid_triangle():\n def test_polygon_perimeter_triangle():\n"
+    "     assert polygon_perimeter([(0, 0), (3, 0), (3, 4)]) == pytest.approx(12)\n"
+    "+# touched\n"
+)
+
+
+def _traj(task: Task, tid: str, patch: str) -> Trajectory:
+    return Trajectory(
+        trajectory_id=tid,
+        task_id=task.instance_id,
+        group_id=task.instance_id,
+        sample_index=0,
+        harness="scripted",
+        status="ok",
+        patch=patch,
+    )
+
+
+async def _batch(
+    trajs: list[Trajectory], task: Task, backend: Any, config: VerifyConfig
+) -> dict[str, Trajectory]:
+    out = {}
+    async for graded in verify(
+        trajs,
+        {task.instance_id: task},
+        backend=backend,
+        tasks_dir=str(TASKS),
+        run_id=f"legorl-test-{uuid.uuid4().hex[:8]}",
+        load_turns=lambda t: [],
+        concurrency=2,
+        config=config,
+    ):
+        out[graded.trajectory_id] = graded
+    return out
+
+
+@pytest.mark.parametrize("backend_name", ["docker", "local"])
+def test_patch_attributes_do_not_reach_the_graders_git(backend_name: str) -> None:
+    """The gold patch plus a ``.gitattributes`` aimed at the restore step and a touched test
+    file: graded 1.0 with the test file restored byte for byte."""
+    task = _task()
+    backend = _backend(backend_name)
+    patch = _new_file(".gitattributes", ATTRIBUTES) + task.patch + TOUCH_TESTS
+    got = asyncio.run(_batch([_traj(task, "attrs", patch)], task, backend, VerifyConfig()))
+    graded = got["attrs"]
+    assert graded.reward == 1.0, graded.verdict
+    assert "tests_touched" in graded.hack_flags and "grading_failed" not in graded.hack_flags
+    assert {"path": "tests/test_geometry.py", "reason": "tests_touched", "action": "restored"} in (
+        graded.verdict["dropped"]
+    )
+
+
+class _Blowup:
+    """The real backend, except that a sandbox given the marker on stdin (the grading
+    folder's tar carries the model's patch) raises MemoryError: a grading that blows up."""
+
+    MARK = b"LEGORL-BLOW-UP"
+
+    def __init__(self, real: SandboxBackend) -> None:
+        self.real = real
+        self.name = real.name
+        self.config_class = real.config_class
+
+    async def start(self, *args: Any, **kw: Any) -> Any:
+        box = await self.real.start(*args, **kw)
+        real_exec = box.exec
+
+        async def exec(cmd: Any, **kw: Any) -> Any:
+            if self.MARK in (kw.get("stdin") or b""):
+                raise MemoryError("a grading that blew up")
+            return await real_exec(cmd, **kw)
+
+        box.exec = exec
+        return box
+
+
+def test_a_failure_the_control_does_not_share_is_the_patchs_zero() -> None:
+    """With the attribute defence off (the control), the patch makes the restore step fail:
+    grade() alone gives null, and verify's control (the empty patch grades 0.0) turns it into
+    0 with the flag. In the same batch a trajectory whose grading raises gets 0 too, and the
+    gold patch is still graded 1.0."""
+    from conftest import grade_patch
+
+    task = _task()
+    backend = _backend("docker")
+    off = VerifyConfig(defences_off=frozenset({"neutral_git"}))
+    attack = _new_file(".gitattributes", "tests/* working-tree-encoding=UTF-16\n")
+    attack += task.patch + TOUCH_TESTS
+    alone = asyncio.run(grade_patch(task, attack, backend=backend, tasks_dir=TASKS, config=off))
+    assert alone.reward is None and "reverting left" in alone.verdict["reason"]
+
+    blowup = _new_file("notes.txt", _Blowup.MARK.decode())
+    trajs = [_traj(task, "attack", attack), _traj(task, "blowup", blowup)]
+    trajs.append(_traj(task, "gold", task.patch))
+    got = asyncio.run(_batch(trajs, task, _Blowup(backend), off))
+    for tid in ("attack", "blowup"):
+        graded = got[tid]
+        assert graded.reward == 0.0, graded.verdict
+        assert "grading_failed" in graded.hack_flags
+        assert graded.verdict["control"]["reward"] == 0.0
+        assert graded.verdict["reason"].startswith("grading failed where the empty patch grades")
+    assert set(alone.hack_flags) < set(got["attack"].hack_flags)  # its own flags are kept
+    assert "MemoryError" in got["blowup"].verdict["reason"]
+    assert got["gold"].reward == 1.0
+
+
+def test_null_stands_only_when_the_control_fails_too() -> None:
+    """A task whose test_patch cannot apply: every grading fails, the empty patch's too, so
+    the candidate's null stands, with the control's outcome in its verdict."""
+    from dataclasses import replace
+
+    task = _task()
+    broken = replace(
+        task, test_patch=task.test_patch.replace("tests/test_geometry.py", "tests/missing.py")
+    )
+    got = asyncio.run(
+        _batch([_traj(broken, "gold", task.patch)], broken, _backend("docker"), VerifyConfig())
+    )
+    graded = got["gold"]
+    assert graded.reward is None
+    assert graded.verdict["control"]["reward"] is None
+    assert "control grading (empty patch) failed too" in graded.verdict["reason"]
+
+
+#: geometry.py, changed so that importing it (the test run does) turns every grader log in
+#: reach into a 1 GiB sparse file and prints 64 MiB.
+SPARSE_AND_FLOOD = (
+    "diff --git a/geometry.py b/geometry.py\n--- a/geometry.py\n+++ b/geometry.py\n"
+    "@@ -1,3 +1,8 @@\n"
+    ' """Plane geometry helpers used by the floor-plan tool."""\n'
+    " \n"
+    " import math\n"
+    "+import glob as _g, os as _o, sys as _s\n"
+    "+for _p in _g.glob('/tmp/legorl-grade/*.log') + _g.glob('/tmp/legorl-grade/*.json'):\n"
+    "+    _o.truncate(_p, 1 << 30)\n"
+    "+for _i in range(64):\n"
+    "+    _s.stdout.write('x' * (1 << 20))\n"
+)
+
+
+def _limit_memory() -> None:
+    cap = 3 << 30
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+
+def test_verify_under_a_memory_cap_survives_sparse_logs_and_floods(tmp_path: Path) -> None:
+    """``legorl verify`` with its address space capped at 3 GiB grades a batch in which one
+    trajectory floods output and makes the grader's logs 1 GiB sparse files (read whole,
+    one such log alone would take the cap); the others are graded as ever. Its peak RSS is
+    recorded as the bound."""
+    _backend("docker")
+    task = _task()
+    write_jsonl(
+        tmp_path / "in.jsonl",
+        [
+            _traj(task, "sparse", SPARSE_AND_FLOOD),
+            _traj(task, "gold", task.patch),
+            _traj(task, "empty", ""),
+        ],
+    )
+    env = {**os.environ, "MALLOC_ARENA_MAX": "2"}
+    result = subprocess.run(
+        [sys.executable, "-m", "legorl.cli.main", "verify", "in.jsonl"]
+        + ["--tasks", str(TASKS / "train.jsonl"), "--out", "graded.jsonl"],
+        cwd=tmp_path,
+        capture_output=True,
+        timeout=600,
+        preexec_fn=_limit_memory,
+        env=env,
+    )
+    peak_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss >> 10
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    graded = {t.trajectory_id: t for t in read_jsonl(tmp_path / "graded.jsonl", Trajectory)}
+    assert graded["gold"].reward == 1.0
+    assert graded["empty"].reward == 0.0
+    assert graded["sparse"].reward == 0.0, graded["sparse"].verdict
+    print(f"legorl verify peak RSS: {peak_mib} MiB")
+    assert peak_mib < 1024, peak_mib
