@@ -7,15 +7,29 @@ dtype, so a bf16 engine can face the fp32 trainer.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 from conftest import ROOT
-from train.train_helpers import legorl
 
 from legorl.loop import LoopConfig, LoopConfigError
 
 MOE = ROOT / "fixtures" / "models" / "tiny-qwen3-moe"
 DENSE = ROOT / "fixtures" / "models" / "tiny-qwen3"
 TASKS = ROOT / "fixtures" / "tasks-generated"
+
+
+def legorl(*args: str) -> subprocess.CompletedProcess[bytes]:
+    env = {**os.environ, "COLUMNS": "200", "NO_COLOR": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "legorl.cli.main", *args],
+        capture_output=True,
+        env=env,
+        timeout=300,
+        cwd=ROOT,
+    )
 
 
 def test_replay_on_the_vllm_engine_fails_at_start_naming_the_server_and_flag(tmp_path) -> None:
