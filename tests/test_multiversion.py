@@ -205,3 +205,32 @@ def test_gspo_sequence_ratio_over_spans_of_several_versions() -> None:
     w1 = correction_weights(old, mu_v1, episode, 1, "tis")
     assert w0[:2].tolist() == [2.0, 2.0] and w1.tolist() == [1.0] * 4
     assert torch.equal(sequence_log_ratio(logp, old, episode, keep, torch.tensor([4])), s)
+
+
+def test_a_sample_written_before_spans_reads_as_one_span(tmp_path: Path) -> None:
+    import json
+
+    from legorl.records import RecordError
+
+    old = {
+        "schema": "legorl/sample@1",
+        "sample_id": "e/0",
+        "episode_id": "e",
+        "group_id": "g",
+        "segment_index": 0,
+        "segment_count": 1,
+        "input_ids": [1, 2, 3],
+        "loss_mask": [0, 1, 1],
+        "rollout_logprobs": [-0.1, -0.2],
+        "reward": 1.0,
+        "policy_version": 4,
+    }
+    path = tmp_path / "old.jsonl"
+    path.write_text(json.dumps(old) + "\n")
+    (sample,) = list(read_jsonl(path, Sample))
+    assert sample.span_versions == [] and sample.oldest_version == 4
+    assert sample.token_versions() == [4, 4]
+    # spans that do not cover the loss tokens are named
+    path.write_text(json.dumps({**old, "span_versions": [4], "span_lengths": [3]}) + "\n")
+    with pytest.raises(RecordError, match="span_lengths"):
+        list(read_jsonl(path, Sample))

@@ -58,9 +58,13 @@ class _Executor:
 
     name: ClassVar[str] = "simulated"
 
-    def __init__(self, runner: Runner, core: _Core, call_s: float, seed: int) -> None:
+    def __init__(
+        self, runner: Runner, core: _Core, call_s: float, seed: int, old: tuple[str, ...] = ()
+    ) -> None:
         self.runner, self.core, self.call_s = runner, core, call_s
         self.rng = random.Random(seed)
+        # runs whose ids start so report version 0: episodes kept from before a resume
+        self.old = old
 
     def _calls(self, tid: str) -> int:
         rng = random.Random(f"{tid}")  # the same episode is as long in every mode
@@ -79,6 +83,8 @@ class _Executor:
                 turns = []
                 for call in range(self._calls(tid)):
                     version = self.core.engine.policy_version
+                    if tid.startswith(self.old):
+                        version = 0
                     self.runner.engine_meter.start()
                     try:
                         await asyncio.sleep(self.call_s)
@@ -173,7 +179,16 @@ def _tasks(n: int) -> list[Task]:
     ]
 
 
-def _run(config: LoopConfig, *, call_s: float, step_s: float, sync_s: float) -> dict[str, Any]:
+def _run(
+    config: LoopConfig,
+    *,
+    call_s: float,
+    step_s: float,
+    sync_s: float,
+    old: tuple[str, ...] = (),
+    keep: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One simulated loop; ``keep`` receives its final state (tests read it)."""
     with tempfile.TemporaryDirectory() as tmp:
         config.out = Path(tmp)
         state = LoopState(config=config.to_dict())
@@ -182,11 +197,13 @@ def _run(config: LoopConfig, *, call_s: float, step_s: float, sync_s: float) -> 
         runner: Any = cls(config, state, splits, lambda _m: None, None)
         runner.step_s = step_s
         runner.core = _Core(sync_s)
-        runner.executor = _Executor(runner, runner.core, call_s, config.seed)
+        runner.executor = _Executor(runner, runner.core, call_s, config.seed, old)
         t0 = time.monotonic()
         asyncio.run(runner.train_iterations())
         wall = time.monotonic() - t0
         busy = runner.engine_meter.busy()
+    if keep is not None:
+        keep["state"] = state
     its = state.iterations
     hist: Counter[str] = Counter()
     for it in its:

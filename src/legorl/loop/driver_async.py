@@ -18,7 +18,7 @@ exactly batch k at step k: the synchronous loop's work in the synchronous loop's
 
 A group whose samples are older than the bound when its turn comes (kept from before a
 resume; a rerun) is dropped and counted (``--on-stale rerun``: its task is rolled out again in its
-slot). Groups whose rewards are all equal carry no gradient: with the trainer's
+slot and place, once, and the next step waits for it). Groups whose rewards are all equal carry no gradient: with the trainer's
 ``drop_zero_variance_groups`` (its default) they are filtered when they resolve, counted, and
 either take their batch slot empty or, with ``refill_filtered``, free it for another group.
 """
@@ -66,7 +66,7 @@ def check_live_reload(config: LoopConfig) -> None:
 
 @dataclass(slots=True)
 class _Group:
-    index: int  # admission order (the g-th group drawn; reruns take a later index)
+    index: int  # admission order (the g-th group drawn; a rerun takes its group's)
     batch: int  # the batch it was drawn for: its folder and id prefix
     task: Any
     prefix: str
@@ -281,6 +281,8 @@ class AsyncRunner(Runner):
         c, state = self.config, self.state
         last = time.monotonic()
         busy0 = self.engine_meter.busy()
+        idle = 0.0
+        rerun_keys: list[str] = []  # dropped for staleness and re-rolled, for this step
         while self.steps < c.iterations:
             wait0 = time.monotonic()
             async with self.changed:
@@ -292,31 +294,40 @@ class AsyncRunner(Runner):
                 if isinstance(exc, LoopError):
                     raise exc
                 raise LoopError(f"rollout: {type(exc).__name__}: {exc}") from exc
-            idle = time.monotonic() - wait0
+            idle += time.monotonic() - wait0
             taken = self._ready()
             assert taken is not None
             k = self.steps + 1
             version = state.policy_version
+
+            def stale(g: _Group, version: int = version) -> bool:
+                oldest = max((version - s.oldest_version for s in g.samples), default=0)
+                return not g.filtered and oldest > c.max_staleness
+
+            again = [g for g in taken if stale(g) and "r" not in g.prefix[2:]]
+            if c.on_stale == "rerun" and again:
+                # re-rolled in its place: this step waits for the fresh group
+                for g in again:
+                    del self.groups[g.index]
+                    rerun_keys.append(g.key)
+                    self._rerun(g)
+                continue
             folder = self._folder(k)
             folder.mkdir(parents=True, exist_ok=True)
             for g in taken:
                 del self.groups[g.index]
             carried, self.carry_filtered = self.carry_filtered, []
             trained_groups: list[_Group] = []
-            dropped: list[str] = []
+            dropped = list(rerun_keys)
+            rerun = len(rerun_keys)
             filtered = list(carried)
-            rerun = 0
             for g in taken:
                 if g.filtered:
                     filtered.append(g.key)
-                    continue
-                stale = max((version - s.oldest_version for s in g.samples), default=0)
-                if stale > c.max_staleness:
+                elif stale(g):
                     dropped.append(g.key)
-                    if c.on_stale == "rerun":
-                        rerun += 1
-                    continue
-                trained_groups.append(g)
+                else:
+                    trained_groups.append(g)
             graded = [t for g in trained_groups for t in g.graded]
             samples = [s for g in trained_groups for s in g.samples]
             # two groups of one task in one step (from different batches) stay apart
@@ -364,7 +375,7 @@ class AsyncRunner(Runner):
                 seconds=seconds,
                 phases=phases,
                 extra={
-                    "groups": [*(g.key for g in taken), *carried],
+                    "groups": [*rerun_keys, *(g.key for g in taken), *carried],
                     "dropped": dropped,
                     "filtered": filtered,
                     "rerun": rerun,
@@ -373,27 +384,22 @@ class AsyncRunner(Runner):
                     "trainer_idle_fraction": round(idle / seconds, 4) if seconds else None,
                 },
             )
-            last, busy0 = now, busy
+            last, busy0, idle, rerun_keys = now, busy, 0.0, []
             self.steps = k
-            if c.on_stale == "rerun":
-                for g in taken:
-                    if g.key in dropped:
-                        self._rerun(g)
             self.finish_iteration(result)
             await self._notify()
 
     def _rerun(self, old: _Group) -> None:
-        """A fresh group of ``old``'s task in its slot (the slot stays taken)."""
-        n = 1
-        while f"{old.prefix[:-1]}r{n}-{old.task.instance_id}" in self.consumed:
-            n += 1
+        """A fresh group of ``old``'s task in its slot and its place in the order (the next
+        step waits for it); a rerun that is stale again is dropped, not re-rolled again."""
+        if "r" in old.prefix[2:]:
+            return
         group = _Group(
-            index=self.next_index,
+            index=old.index,
             batch=old.batch,
             task=old.task,
-            prefix=f"{old.prefix[:-1]}r{n}-",
-            admit_step=self.steps,
+            prefix=f"{old.prefix[:-1]}r1-",
+            admit_step=old.admit_step,
         )
         self.consumed.add(group.key)
-        self.next_index += 1
         self._start(group)
