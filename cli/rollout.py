@@ -262,7 +262,7 @@ def rollout(
             for why in executor.stats.refused.values():
                 console.print(f"legorl rollout: left out: {why}", markup=False, soft_wrap=True)
             with JsonlWriter(out) as writer:
-                async for traj in executor.rollout(
+                async for traj in executor.rollout_runs(
                     runs,
                     turns_dir=turns.resolve(),
                     refs_relative_to=where,

@@ -126,7 +126,7 @@ def verify(
             for why in executor.stats.refused.values():
                 console.print(f"legorl verify: left out: {why}", markup=False, soft_wrap=True)
             with JsonlWriter(out) as writer:
-                async for graded in executor.grade(trajectories, by_id, load_turns=load):
+                async for graded in executor.grade_all(trajectories, by_id, load_turns=load):
                     take(writer, graded)
         except ExecutorError as exc:
             fail("verify", f"--ray {ray}: {exc}")

@@ -357,3 +357,67 @@ def test_a_worker_that_raises_keeps_the_others_going(cluster: LocalCluster, tmp_
     assert others and {t.status for t in others} == {"ok"}
     assert name not in {t.evidence["node"] for t in others}
     assert f"crashes {name} {len(crashed)}" in proc.stderr
+
+
+def test_the_ray_executor_is_an_executor_for_the_loop_s_work(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    import asyncio
+
+    from legorl import __version__
+    from legorl.executors.ray import RayExecutor, WorkerSetup
+    from legorl.protocols import Executor, GradeWork, RolloutWork
+    from legorl.rollout import EngineSpec, plan_runs
+    from legorl.tasks import load_tasks
+
+    _args(tmp_path)  # writes the engine's script
+    engine = EngineSpec(
+        name="forced",
+        weights=MODEL,
+        options={"script": str(tmp_path / "script.json")},
+        log_dir=tmp_path,
+    )
+    executor = RayExecutor(
+        cluster.address, WorkerSetup(version=__version__, engine=engine, model=str(MODEL))
+    )
+    assert isinstance(executor, Executor)
+    tasks = load_tasks(TASKS)[:2]
+    folder = tmp_path / "iter-1"
+    work = RolloutWork(
+        runs=plan_runs(tasks, 2, None, set(), prefix="it1."),
+        harness="legorl.harnesses.testing:ScriptedHarness",
+        harness_options={"command": _ASK.replace("SLEEP", "0")},
+        model="tiny",
+        tasks_dir=str(TASKS.parent),
+        folder=str(folder),
+        concurrency=4,
+        run_id="legorl-ray-work",
+    )
+
+    async def go() -> tuple[list[Trajectory], list[Trajectory]]:
+        await executor.prepare("local", {}, tasks)
+        try:
+            trajs = [t async for t in executor.rollout(work)]
+            grading = GradeWork(
+                trajectories=trajs,
+                tasks=tasks,
+                tasks_dir=str(TASKS.parent),
+                folder=str(folder),
+                run_id="legorl-ray-grade",
+            )
+            return trajs, [g async for g in executor.grade(grading)]
+        finally:
+            await executor.close()
+
+    try:
+        trajs, graded = asyncio.run(go())
+    finally:
+        ray.shutdown()
+    assert sorted(t.trajectory_id for t in trajs) == sorted(r.trajectory_id for r in work.runs)
+    assert {t.status for t in trajs} == {"ok"}
+    for t in trajs:  # Turns readable from the work's folder, as the Protocol says
+        assert t.turns_ref == [f"turns/{t.trajectory_id}.jsonl"]
+        assert len(list(read_jsonl(folder / t.turns_ref[0], Turn))) == 2
+    assert sorted(g.trajectory_id for g in graded) == sorted(t.trajectory_id for t in trajs)
+    assert all(g.verdict is not None for g in graded)
+    assert sum(executor.stats.runs.values()) == 8  # 4 rollouts and 4 gradings

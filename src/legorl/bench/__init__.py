@@ -59,6 +59,12 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     return bench_train(quick=args.quick)
 
 
+def _ray(args: argparse.Namespace) -> dict[str, Any]:
+    from legorl.bench.ray import bench_ray
+
+    return bench_ray(quick=args.quick)
+
+
 def _rollout(args: argparse.Namespace) -> dict[str, Any]:
     from legorl.bench.rollout import bench_rollout
 
@@ -133,6 +139,7 @@ BENCHMARKS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "align": _align,
     "sandbox": _sandbox,
     "rollout": _rollout,
+    "ray": _ray,
     "verify": _verify,
     "tasks": _tasks,
     "decode": _decode,

@@ -417,9 +417,13 @@ class RayExecutor:
 
         executor = RayExecutor("auto", setup)
         stats = await executor.start()
-        async for traj in executor.rollout(runs, turns_dir=…, refs_relative_to=…):
+        async for traj in executor.rollout_runs(runs, turns_dir=…, refs_relative_to=…):
             …
         await executor.close()
+
+    It is also a ``legorl.protocols.Executor``: ``rollout(work)`` and ``grade(work)`` take the
+    work as plain data and start the workers for that work (its harness, sandbox and run id)
+    over the engine ``setup`` names, and stop them when it is done.
     """
 
     name = "ray"
@@ -436,7 +440,7 @@ class RayExecutor:
         self._workers = await asyncio.to_thread(start_workers, self._ray, self.setup, self.stats)
         return self.stats
 
-    async def rollout(
+    async def rollout_runs(
         self,
         runs: list[Any],
         *,
@@ -458,7 +462,7 @@ class RayExecutor:
         ):
             yield write_turns(traj, turns_dir, refs_relative_to)
 
-    async def grade(
+    async def grade_all(
         self,
         trajectories: list[Trajectory],
         tasks: dict[str, Any],
@@ -494,6 +498,79 @@ class RayExecutor:
             self._ray, self._workers, todo, submit, crashed, self.stats, concurrency=concurrency
         ):
             yield graded
+
+    # ---- legorl.protocols.Executor ---------------------------------------------------------
+
+    async def prepare(self, sandbox: str, sandbox_options: dict[str, Any], tasks: list) -> None:
+        """Connect now (no cluster: ``ExecutorError`` before any work); each node's backend
+        builds or pulls its own images when its worker starts."""
+        self._ray = connect(self.address)
+
+    def _for(self, **fields: Any) -> RayExecutor:
+        return RayExecutor(self.address, replace(self.setup, **fields))
+
+    def _merge(self, other: RayStats) -> None:
+        self.stats.nodes.update(other.nodes)
+        self.stats.refused.update(other.refused)
+        for mine, theirs in (
+            (self.stats.runs, other.runs),
+            (self.stats.crashes, other.crashes),
+            (self.stats.lost, other.lost),
+        ):
+            mine.update(theirs)
+        self.stats.rescheduled_s += other.rescheduled_s
+
+    async def rollout(self, work: Any) -> AsyncIterator[Trajectory]:
+        """A ``RolloutWork`` on the cluster; Turns land in ``{work.folder}/turns``."""
+        sub = self._for(
+            harness=work.harness,
+            harness_options=dict(work.harness_options),
+            sandbox=work.sandbox,
+            sandbox_options=dict(work.sandbox_options),
+            served_model=work.model,
+            tasks_dir=str(Path(work.tasks_dir).resolve()),
+            timeout=work.timeout,
+            run_id=work.run_id,
+        )
+        folder = Path(work.folder).resolve()
+        (folder / "turns").mkdir(parents=True, exist_ok=True)
+        try:
+            await sub.start()
+            async for traj in sub.rollout_runs(
+                work.runs,
+                turns_dir=folder / "turns",
+                refs_relative_to=folder,
+                concurrency=work.concurrency,
+            ):
+                yield traj
+        finally:
+            await sub.close()
+            self._merge(sub.stats)
+
+    async def grade(self, work: Any) -> AsyncIterator[Trajectory]:
+        """A ``GradeWork`` on the cluster; the Turns its hack scans read are sent along."""
+        from legorl.executors.inprocess import load_turns
+
+        sub = self._for(
+            harness=None,
+            sandbox=work.sandbox,
+            sandbox_options=dict(work.sandbox_options),
+            tasks_dir=str(Path(work.tasks_dir).resolve()),
+            run_id=work.run_id,
+        )
+        folder = Path(work.folder)
+        try:
+            await sub.start()
+            async for graded in sub.grade_all(
+                work.trajectories,
+                {t.instance_id: t for t in work.tasks},
+                load_turns=lambda traj: load_turns(traj, folder),
+                concurrency=work.concurrency,
+            ):
+                yield graded
+        finally:
+            await sub.close()
+            self._merge(sub.stats)
 
     async def close(self) -> None:
         if self._ray is None:
