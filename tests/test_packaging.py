@@ -77,9 +77,9 @@ def test_every_package_is_in_the_wheel() -> None:
 # Scripts the package ships for another interpreter: the OpenHands driver runs in the harness
 # runtime's own venv, which has the SDK (see its docstring); legorl never imports it.
 OTHER_INTERPRETER = {"legorl/harnesses/openhands_driver.py"}
-# Modules a grading script imports from the repository it grades, in the sandbox's interpreter:
-# the independent runner sets up Django's own test settings for a Django repository.
-REPOSITORY_UNDER_TEST = {"legorl/verify/plainrun.py": {"django"}}
+# Modules a grading script imports from the repository it grades, in the sandbox's interpreter
+# (none today: the judged run's own runner does).
+REPOSITORY_UNDER_TEST: dict[str, set[str]] = {}
 
 
 @pytest.fixture(scope="module")

@@ -27,9 +27,11 @@ T = TypeVar("T")
 class Registry(Generic[T]):
     """Classes of one kind by short name (``kind`` names it in messages: "engine", …)."""
 
-    def __init__(self, kind: str, entries: dict[str, type[T]] | None = None) -> None:
+    def __init__(self, kind: str, entries: dict[str, type[T] | str] | None = None) -> None:
+        """``entries``: classes, or ``module:Class`` strings imported when first used (listing
+        the names, as ``--help`` does, imports nothing)."""
         self.kind = kind
-        self._entries: dict[str, type[T]] = dict(entries or {})
+        self._entries: dict[str, type[T] | str] = dict(entries or {})
 
     def register(self, name: str, cls: type[T]) -> type[T]:
         self._entries[name] = cls
@@ -42,10 +44,13 @@ class Registry(Generic[T]):
         return iter(self._entries)
 
     def __getitem__(self, name: str) -> type[T]:
-        return self._entries[name]
+        entry = self._entries[name]
+        if isinstance(entry, str):
+            entry = self._entries[name] = self._import(entry)
+        return entry
 
     def items(self) -> Iterator[tuple[str, type[T]]]:
-        return iter(self._entries.items())
+        return iter([(name, self[name]) for name in self._entries])
 
     def names(self) -> str:
         return ", ".join(self._entries)
@@ -53,18 +58,21 @@ class Registry(Generic[T]):
     def resolve(self, name: str) -> type[T]:
         """The class registered as ``name``, or imported from ``module:Class``."""
         if name in self._entries:
-            return self._entries[name]
+            return self[name]
         if ":" in name:
-            module, _, attr = name.partition(":")
-            try:
-                cls = getattr(importlib.import_module(module), attr)
-            except (ImportError, AttributeError) as exc:
-                raise ConfigError(f"{self.kind} {name!r}: cannot import it ({exc})") from None
-            if not isinstance(cls, type):
-                raise ConfigError(f"{self.kind} {name!r}: is not a class")
-            found: type[T] = cls
-            return found
+            return self._import(name)
         raise ConfigError(f"unknown {self.kind} {name!r} (one of {self.names()}, or module:Class)")
+
+    def _import(self, name: str) -> type[T]:
+        module, _, attr = name.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(f"{self.kind} {name!r}: cannot import it ({exc})") from None
+        if not isinstance(cls, type):
+            raise ConfigError(f"{self.kind} {name!r}: is not a class")
+        found: type[T] = cls
+        return found
 
     def build(self, name: str, **options: Any) -> T:
         """An instance of ``name`` with ``options``; unknown or missing options are errors."""

@@ -15,15 +15,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from legorl.engines.embedded import EmbeddedConfig, EmbeddedEngine, EmbeddedStats
-from legorl.engines.forced import ForcedConfig, ForcedEngine, ForcedScript, ScriptEntry
-from legorl.engines.vllm_client import VllmConfig, VllmEngine
 from legorl.protocols import Engine
 from legorl.registry import Registry
 
 #: Engine classes by short name; each is built from its ``config_class``.
 ENGINES: Registry[Engine] = Registry(
-    "engine", {"embedded": EmbeddedEngine, "forced": ForcedEngine, "vllm": VllmEngine}
+    "engine",
+    {
+        "embedded": "legorl.engines.embedded:EmbeddedEngine",
+        "forced": "legorl.engines.forced:ForcedEngine",
+        "vllm": "legorl.engines.vllm_client:VllmEngine",
+    },
 )
 
 
@@ -33,16 +35,27 @@ def make_engine(name: str, **config: Any) -> Engine:
     return ENGINES.build(name, **config)
 
 
-__all__ = [
-    "ENGINES",
-    "EmbeddedConfig",
-    "EmbeddedEngine",
-    "EmbeddedStats",
-    "ForcedConfig",
-    "ForcedEngine",
-    "ForcedScript",
-    "ScriptEntry",
-    "VllmConfig",
-    "VllmEngine",
-    "make_engine",
-]
+#: The backends' own names, imported when first read (``from legorl.engines import
+#: EmbeddedEngine``): importing the package imports none of them.
+_LAZY = {
+    "EmbeddedConfig": "embedded",
+    "EmbeddedEngine": "embedded",
+    "EmbeddedStats": "embedded",
+    "ForcedConfig": "forced",
+    "ForcedEngine": "forced",
+    "ForcedScript": "forced",
+    "ScriptEntry": "forced",
+    "VllmConfig": "vllm_client",
+    "VllmEngine": "vllm_client",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"legorl.engines.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'legorl.engines' has no attribute {name!r}")
+
+
+__all__ = ["ENGINES", "make_engine", *_LAZY]
