@@ -15,9 +15,10 @@ whole fleet, and failover that keeps an episode going with its tokens exact.
 * **Adapters** (``load_adapter``, ``load_weights`` of an adapter folder): the same sync, each
   live replica loading the adapter's new version (``Replica.load_adapter``) instead of a
   checkpoint; a request's ``adapter`` (the policy's adapter when it names none) is served under
-  the name the replica serving it loaded. A replica that refuses an adapter as the request's
-  fault (``EngineRequestError``) is not down: when every replica refuses, the load fails with
-  that error and nothing changes.
+  the name the replica serving it loaded. When every replica refuses the adapter as the
+  request's fault (``EngineRequestError``: no runtime LoRA loading, an adapter it cannot take),
+  the load fails with that error and nothing changes; a replica that refuses what others took
+  is taken out of rotation.
 * **Failover.** A replica is taken out of rotation when a call's connection to it fails (refused,
   reset, closed early), when it answers a server error and then fails its ``/health``, or when
   the watcher's ``/health`` probe gets no answer twice in a row (``health_timeout_s``). Its
