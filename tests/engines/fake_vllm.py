@@ -43,6 +43,9 @@ class FakeVllm:
         self.hold.set()
         self.stall_health = False  # True: /health waits on ``hold`` too (a hung server)
         self.dead = False
+        # runtime LoRA loading on (as with --enable-lora): the LoRA names it holds, no weights
+        self.lora = False
+        self.loras: set[str] = set()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self._port = self._server.server_address[1]
         self._thread = threading.Thread(
@@ -75,6 +78,7 @@ class FakeVllm:
             target=self._server.serve_forever, args=(0.05,), daemon=True
         )
         self.dead = False
+        self.loras = set()  # a relaunched server holds no adapter
         self._thread.start()
 
     def _wait_hold(self) -> bool:
@@ -158,6 +162,16 @@ class FakeVllm:
                         self._cut()  # killed while it held the request: no answer
                         return
                     self._complete(body or {})
+                elif fake.lora and self.path == "/v1/load_lora_adapter":
+                    name = (body or {})["lora_name"]
+                    if name in fake.loras:
+                        self._json(400, {"error": {"message": f"{name!r} already loaded"}})
+                    else:
+                        fake.loras.add(name)
+                        self._json(200, {})
+                elif fake.lora and self.path == "/v1/unload_lora_adapter":
+                    fake.loras.discard((body or {})["lora_name"])
+                    self._json(200, {})
                 else:
                     self._json(404, {"detail": "Not Found"})
 

@@ -19,7 +19,7 @@ from fake_vllm import FakeVllm
 from legorl.engines import VllmEngine, make_engine
 from legorl.engines.replicas import session_of
 from legorl.engines.vllm_client import replica_devices
-from legorl.protocols import ConfigError, EngineError, GenerationRequest
+from legorl.protocols import ConfigError, EngineError, EngineRequestError, GenerationRequest
 
 MODEL = Path(__file__).resolve().parents[2] / "fixtures" / "models" / "tiny-agent"
 
@@ -420,3 +420,98 @@ def test_the_cli_names_a_replica_that_does_not_answer(
     (line,) = [x for x in done.stderr.splitlines() if "error:" in x]
     assert line.startswith("legorl proxy: error: --engine vllm: 1 of 2 vLLM replicas answer")
     assert f"{b.url}: vLLM server at {b.url} unreachable" in line
+
+
+def fake_adapter(folder: Path) -> Path:
+    """A PEFT adapter folder on the fixture model (the fakes load no weights, only its name)."""
+    import json
+
+    folder.mkdir(parents=True)
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "base_model_name_or_path": str(MODEL)}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    (folder / "adapter_model.safetensors").write_bytes(b"")
+    return folder
+
+
+@pytest.fixture
+def lora_pair() -> Iterator[tuple[FakeVllm, FakeVllm]]:
+    journal: list[tuple[str, str]] = []
+    with (
+        FakeVllm(model="tiny-agent", max_model_len=256, journal=journal) as a,
+        FakeVllm(model="tiny-agent", max_model_len=256, journal=journal) as b,
+    ):
+        a.lora = b.lora = True
+        yield a, b
+
+
+@pytest.mark.asyncio
+async def test_an_adapter_reaches_every_replica_before_any_call_and_a_rejoin_gets_it(
+    lora_pair: tuple[FakeVllm, FakeVllm], tmp_path: Path
+) -> None:
+    a, b = lora_pair
+    engine = fleet(a, b, weight_reload="collective_rpc", health_interval_s=0.05)
+    adapter = fake_adapter(tmp_path / "adapter")
+    a.hold.clear()
+    in_flight = asyncio.create_task(collect(engine, request("s1")))
+    await until(lambda: completions(a))
+    swap = asyncio.create_task(engine.load_weights(str(adapter)))
+    await asyncio.sleep(0.2)
+    assert not swap.done() and not a.bodies("/v1/load_lora_adapter")  # waits for the call
+    late = asyncio.create_task(collect(engine, request("s2")))  # and holds new ones
+    await asyncio.sleep(0.2)
+    a.hold.set()
+    assert await swap == 1
+    await late
+    await in_flight
+    assert (engine.policy_adapter, engine.adapter_versions) == ("policy", {"policy": 1})
+    journal = [(url, path) for url, path in a.journal if path != "/health"]
+    loads = [i for i, (_, path) in enumerate(journal) if path == "/v1/load_lora_adapter"]
+    calls = [i for i, (_, path) in enumerate(journal) if path == "/v1/completions"]
+    assert {journal[i][0] for i in loads} == {a.url, b.url}
+    assert calls[0] < min(loads) and calls[1] > max(loads)
+    served = completions(a) + completions(b)
+    assert [body["model"] for body in served] == ["tiny-agent", "policy-v1"]
+    # a named adapter beside it: a new LoRA name per version, the one before unloaded
+    assert await engine.load_adapter("early", str(adapter)) == 1
+    assert await engine.load_adapter("early", str(adapter)) == 2
+    assert a.loras == b.loras == {"policy-v1", "early-v2"}
+    for key in ("s1", "s2"):  # on whichever replica serves it
+        call = request(key, adapter="early")
+        await collect(engine, call)
+        assert completions(a if call.placement.replica == a.url else b)[-1]["model"] == "early-v2"
+    with pytest.raises(EngineRequestError, match="adapter 'late' is not loaded"):
+        await collect(engine, request("s1", adapter="late"))
+    # a replica that went away (a relaunch holds no adapter) gets them before its first call
+    a.kill()
+    await until(lambda: engine.status()[0]["state"] == "down")
+    a.revive()
+    await until(lambda: engine.status()[0]["state"] == "up")
+    assert a.loras == {"policy-v1", "early-v2"}
+    # full weights again: the policy's adapter goes from every replica, the named one stays
+    assert await engine.load_weights("/ckpt/step-2") == 2
+    assert engine.policy_adapter is None and engine.adapter_versions == {"early": 2}
+    assert a.loras == b.loras == {"early-v2"}
+    call = request("s3")
+    await collect(engine, call)
+    assert completions(a if call.placement.replica == a.url else b)[-1]["model"] == "tiny-agent"
+    await engine.close()
+
+
+@pytest.mark.asyncio
+async def test_an_adapter_refused_by_every_replica_changes_nothing_by_one_takes_it_out(
+    lora_pair: tuple[FakeVllm, FakeVllm], tmp_path: Path
+) -> None:
+    a, b = lora_pair
+    a.lora = b.lora = False  # neither has runtime LoRA loading
+    engine = fleet(a, b, health_interval_s=0)
+    adapter = fake_adapter(tmp_path / "adapter")
+    with pytest.raises(EngineRequestError, match="has no runtime LoRA loading") as err:
+        await engine.load_adapter("x", str(adapter))
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in str(err.value)
+    assert [s["state"] for s in engine.status()] == ["up", "up"]  # the request's fault
+    assert engine.adapter_versions == {} and engine.policy_version == 0
+    a.lora = True  # servers started apart: the one without LoRA cannot serve the version
+    assert await engine.load_adapter("x", str(adapter)) == 1
+    assert [s["state"] for s in engine.status()] == ["up", "down"]
+    assert "has no runtime LoRA loading" in engine.status()[1]["why"]
+    await engine.close()

