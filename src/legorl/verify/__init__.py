@@ -1,22 +1,24 @@
-"""The verify stage: grade each trajectory's patch in a fresh sandbox from the pristine instance
-image, with stage-wise defences against reward hacking.
+"""The verify stage: grade each trajectory's patch, the verdict the judge's, never the judged
+run's (docs/integrity.md).
 
     legorl verify runs/traj.jsonl --tasks fixtures/tasks/train.jsonl --sandbox docker --out runs/graded.jsonl
 
-For each trajectory: a new sandbox (never the agent's), no network; the model's patch refused
-unless it is well-formed ``diff --git`` text outside ``.git``, applied with `git apply` (then
-3-way), and judged on the tree it produced (``tree.py``): changes to tests, test-runner
-configuration, the hidden ``test_patch``'s paths, ``.git`` and shadowing names are reverted and
-flagged; ``test_patch`` applied; the tests run by our bootstrap (`bootstrap.py`: isolated
-interpreter, repository last on the path, our plugin as an object) with results streamed out as
-signed, chained records (`pytest_report.py`), the runner's real exit code from the sandbox
-compared with them, and the FAIL_TO_PASS tests run again by an independent runner with
-always-true twins (`plainrun.py`; all judged in `runner.py`). Every FAIL_TO_PASS and
-PASS_TO_PASS test must report `passed`; missing, errored, skipped, timed-out or untrusted tests
-fail. Trajectories with environment-failure statuses pass through
-with reward null. Any other null (or an exception while grading) stands only when the empty
-patch, graded the same way, fails too; otherwise it is the patch's 0, flagged
-``grading_failed`` (``control.py``).
+For each trajectory: a fresh grading sandbox from the pristine image (read-only root, no
+network); the model's patch refused unless it is well-formed ``diff --git`` text outside
+``.git``, applied with `git apply` (then 3-way) and judged on the tree it produced
+(``tree.py``: changes to tests, runner configuration, the hidden ``test_patch``'s paths,
+``.git``, compiled code and shadowing names reverted and flagged); ``test_patch`` applied; the
+required tests' files rewritten from their pristine source (``assertions.py``) and run as an
+unprivileged user through our bootstrap, which comes in on stdin (``runner.py``,
+``bootstrap.py``). Each assertion's operands leave the run as plain data and the judge compares
+them with the literals it holds and the task's gold record (``gold.py``: two runs of the gold
+patch in sandboxes of their own, cached), in the gold run's number and order. A required test
+passes when its in-process outcome (signed records) is ``passed`` and its assertions hold out
+of process; one no assertion of which the judge can make is ``unverified`` unless the task
+declares it uncoverable. Trajectories with environment-failure statuses pass through with
+reward null; any other null (or an exception while grading) stands only when the control
+gradings fail too (the gold record's runs; the empty patch, ``control.py``): otherwise it is
+the patch's 0, flagged ``grading_failed``.
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ def records(stream: bytes, key: bytes) -> tuple[list[dict[str, Any]], int]:
 
 
 class PytestReportParser:
-    """Signed, chained records from the report plugin and the independent runner."""
+    """Signed, chained records from the report plugin and the unittest recorder."""
 
     name = "pytest"
 
