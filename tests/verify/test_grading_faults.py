@@ -144,18 +144,23 @@ class _Blowup:
 
 def test_a_failure_the_control_does_not_share_is_the_patchs_zero() -> None:
     """With the attribute defence off (the control), the patch makes the restore step fail:
-    grade() alone gives null, and verify's control (the empty patch grades 0.0) turns it into
-    0 with the flag. In the same batch a trajectory whose grading raises gets 0 too, and the
+    graded with the control off too (null_on_proof) it is null, and with the control (the empty
+    patch grades 0.0) 0 with the flag, through grade() and through verify. In the same batch a trajectory whose grading raises gets 0 too, and the
     gold patch is still graded 1.0."""
     from conftest import grade_patch
 
     task = _task()
     backend = _backend("docker")
     off = VerifyConfig(defences_off=frozenset({"neutral_git"}))
+    no_control = VerifyConfig(defences_off=frozenset({"neutral_git", "null_on_proof"}))
     attack = _new_file(".gitattributes", "tests/* working-tree-encoding=UTF-16\n")
     attack += task.patch + TOUCH_TESTS
-    alone = asyncio.run(grade_patch(task, attack, backend=backend, tasks_dir=TASKS, config=off))
+    alone = asyncio.run(
+        grade_patch(task, attack, backend=backend, tasks_dir=TASKS, config=no_control)
+    )
     assert alone.reward is None and "reverting left" in alone.verdict["reason"]
+    settled = asyncio.run(grade_patch(task, attack, backend=backend, tasks_dir=TASKS, config=off))
+    assert settled.reward == 0.0 and "grading_failed" in settled.hack_flags
 
     blowup = _new_file("notes.txt", _Blowup.MARK.decode())
     trajs = [_traj(task, "attack", attack), _traj(task, "blowup", blowup)]
@@ -227,16 +232,24 @@ def test_verify_under_a_memory_cap_survives_sparse_logs_and_floods(tmp_path: Pat
         ],
     )
     env = {**os.environ, "MALLOC_ARENA_MAX": "2"}
+    # A wrapper whose only child is `legorl verify`: its children's peak is verify's alone (this
+    # worker's own children, earlier tests' included, would be counted otherwise).
+    wrapper = (
+        "import resource, subprocess, sys; "
+        "code = subprocess.run(sys.argv[1:]).returncode; "
+        "open('peak', 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)); "
+        "sys.exit(code)"
+    )
     result = subprocess.run(
-        [sys.executable, "-m", "legorl.cli.main", "verify", "in.jsonl"]
-        + ["--tasks", str(TASKS / "train.jsonl"), "--out", "graded.jsonl"],
+        [sys.executable, "-c", wrapper, sys.executable, "-m", "legorl.cli.main", "verify"]
+        + ["in.jsonl", "--tasks", str(TASKS / "train.jsonl"), "--out", "graded.jsonl"],
         cwd=tmp_path,
         capture_output=True,
         timeout=600,
         preexec_fn=_limit_memory,
         env=env,
     )
-    peak_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss >> 10
+    peak_mib = int((tmp_path / "peak").read_text()) >> 10
     assert result.returncode == 0, result.stderr.decode()[-2000:]
     graded = {t.trajectory_id: t for t in read_jsonl(tmp_path / "graded.jsonl", Trajectory)}
     assert graded["gold"].reward == 1.0
