@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from sandbox_fixtures import need
 
 from legorl.harnesses import HARNESSES
 from legorl.sandbox.runtime import (
@@ -53,8 +54,8 @@ def test_a_rollout_of_a_harness_this_host_lacks_fails_before_any_sandbox(tmp_pat
 
 def test_a_run_needs_only_the_harness_it_uses() -> None:
     host = _host()
-    if host.miniswe_venv is None:
-        pytest.skip("no mini-swe-agent venv on this host")
+    need(host.miniswe_venv is not None, "the mini-swe-agent venv (.ci/run makes it)")
+    assert host.miniswe_venv is not None
     only_miniswe = RuntimeSources(miniswe_venv=host.miniswe_venv, agent_dir=host.agent_dir)
     harness_preflight(HARNESSES.resolve("mini-swe-agent"), "docker", src=only_miniswe)
     for name, part in (("openhands-sdk", "openhands venv"), ("opencode", "node")):
@@ -83,8 +84,10 @@ def test_the_layer_is_made_and_checked_from_what_the_host_has(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     host = _host()
-    if host.package("@anthropic-ai/claude-code") is None or host.node is None:
-        pytest.skip("Claude Code is not installed on this host")
+    need(
+        host.package("@anthropic-ai/claude-code") is not None and host.node is not None,
+        "Claude Code (.ci/run installs it)",
+    )
     # a host with Node and Claude Code, nothing else
     root = tmp_path / "npm"
     (root / "@anthropic-ai").mkdir(parents=True)
