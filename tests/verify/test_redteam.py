@@ -44,11 +44,12 @@ from legorl.rollout import inprocess_proxy
 from legorl.verify import VerifyConfig, grade, runner, specs, tree
 from legorl.verify.redteam import (
     HACKS,
+    VARIANT_TESTS,
     Hack,
     honest,
     markdown_table,
-    table_variant,
     unittest_variant,
+    variant_task,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,8 +125,8 @@ def _task(variant: str = "") -> Task:
         )
     if variant == "unittest":
         task = unittest_variant(task)
-    if variant == "table":
-        task = table_variant(task)
+    if variant in VARIANT_TESTS:
+        task = variant_task(task, variant)
     return task
 
 

@@ -26,6 +26,7 @@ from legorl.verify.scans import constant_comparisons, runner_tamper_suspects
 KEY = "k3y"
 TESTS = "tests/test_lib.py"
 GOLD = "def area(w, h):\n    return w * h\n"
+BASE = "def area(w, h):\n    return w + h\n"  # the bug the gold patch fixes
 LIB_TESTS = """
     import unittest
 
@@ -107,8 +108,9 @@ def _judged_run(repo: Path, plan: assertions.Plan | None) -> tuple[list[dict], d
     return found, outcomes
 
 
-def _judge(tmp: Path, candidate: str, tests: str = LIB_TESTS) -> tuple[dict, dict]:
-    """Gold recorded twice, then ``candidate`` judged: (judgements, in-process outcomes)."""
+def _gold(tmp: Path, tests: str = LIB_TESTS) -> tuple[list[str], assertions.Plan, assertions.Gold]:
+    """The plan of the required tests in ``tests``, and the gold patch's record: two runs of
+    it and one of the base (``BASE``, what the empty patch leaves)."""
     pristine = {TESTS: textwrap.dedent(tests)}
     required = [t for t in REQUIRED if t.split("::")[-1] in tests]
     plan = assertions.plan_files(required, pristine, django=False, pytest=True, inproc=set())
@@ -116,10 +118,17 @@ def _judge(tmp: Path, candidate: str, tests: str = LIB_TESTS) -> tuple[dict, dic
     for _ in range(2):
         found, _ = _judged_run(_repo(tmp / "gold", GOLD, tests), plan)
         runs.append(assertions.by_test(found))
-    gold = assertions.Gold(runs=runs)
+    empty, _ = _judged_run(_repo(tmp / "base", BASE, tests), plan)
+    return required, plan, assertions.Gold(runs=runs, empty=assertions.by_test(empty))
+
+
+def _judge(tmp: Path, candidate: str, tests: str = LIB_TESTS) -> tuple[dict, dict]:
+    """Gold recorded, then ``candidate`` judged: (judgements, in-process outcomes). The
+    required tests count as ``PASS_TO_PASS`` here (coverage: one assertion judged here)."""
+    required, plan, gold = _gold(tmp, tests)
     found, outcomes = _judged_run(_repo(tmp / "candidate", candidate, tests), plan)
     events = assertions.by_test(found)
-    covered = assertions.covered_tests(plan, gold)
+    covered = assertions.covered_tests(plan, gold, set())
     verdicts = {
         t: assertions.judge_test(plan.keys[t], events, plan, gold, covered[t]) for t in required
     }
@@ -131,6 +140,36 @@ def test_the_gold_patch_passes_and_every_test_is_covered(tmp_path: Path) -> None
     assert {t: v.outcome for t, v in verdicts.items()} == dict.fromkeys(REQUIRED, "passed")
     assert all(v.judged_out >= 1 and v.judged_in == 0 for v in verdicts.values()), verdicts
     assert all(outcomes[t] == "passed" for t in REQUIRED)
+
+
+def test_a_failing_test_is_covered_only_by_an_assertion_the_fix_changes_judged_on_a_secret(
+    tmp_path: Path,
+) -> None:
+    # As FAIL_TO_PASS tests against the base ``w + h``: the equalities against held literals
+    # fail there and are judged here (covered). A computed expected side (``area(2, 3) ==
+    # area(3, 2)``) and a class name (isinstance, raises) are not secrets: not covered.
+    required, plan, gold = _gold(tmp_path)
+    covered = assertions.covered_tests(plan, gold, set(required))
+    names = {t.split("::")[-1]: c for t, c in covered.items()}
+    assert names == {
+        "test_area": True,
+        "test_area_held_local": True,
+        "test_area_approx": True,
+        "test_symmetric": False,
+        "test_raises": False,
+        "test_type": False,
+        "test_equal": True,
+    }
+    # Its values do change (5 on the base, 6 fixed), but both sides are computed in the judged
+    # process: sending the same value twice meets it.
+    key = plan.keys[f"{TESTS}::test_symmetric"]
+    assert assertions.decisive(key, plan, gold) == [0]
+    assert not assertions.secret_bearing(key, 0, plan, gold)
+    # The control: one assertion judged here is enough without the rule.
+    assert all(assertions.covered_tests(plan, gold, set(required), secrets=False).values())
+    assert [assertions.guessable(v) for v in (True, None, 0, -1, "", [False, True], 15, "B")] == [
+        True, True, True, True, True, True, False, False,
+    ]  # fmt: skip
 
 
 def test_literals_leave_the_test_file_and_the_judge_holds_them() -> None:

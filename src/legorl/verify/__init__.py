@@ -190,6 +190,8 @@ async def gold_record(
         sources: dict[str, str] | None,
         untabled: frozenset[str],
         previous: list[list[dict[str, Any]]],
+        *,
+        empty: bool = False,
     ) -> GoldRun:
         def plan_for(found: dict[str, str]) -> assertions.Plan:
             return assertions.plan_files(
@@ -202,10 +204,10 @@ async def gold_record(
 
         run = await _judged_run(
             task,
-            task.patch,
+            "" if empty else task.patch,
             backend=backend,
             tasks_dir=tasks_dir,
-            run_id=f"{run_id}-gold",
+            run_id=f"{run_id}-{'empty' if empty else 'gold'}",
             config=config,
             runner_paths=runner_paths,
             plan_for=plan_for,
@@ -214,6 +216,8 @@ async def gold_record(
             why = run.error or (run.judged.error if run.judged else "") or "no test run"
             return GoldRun(ok=False, reason=why, sources=run.sources)
         found = run.test_run.records
+        if empty:  # its tests may fail: that it ran is all a control needs
+            return GoldRun(ok=True, sources=run.sources, records=found)
         plan = run.plan
         assert plan is not None
         gold_now = assertions.Gold(runs=[assertions.by_test(r) for r in [*previous, found]])

@@ -1159,6 +1159,7 @@ class Gold:
     """What the gold patch's two runs recorded: the expected event sequence and values."""
 
     runs: list[dict[str, TestEvents]]
+    empty: dict[str, TestEvents] | None = None  # the empty patch's run (`decisive`)
 
     def sequence(self, key: str) -> list[str] | None:
         """The sites in order, when both runs agree (else None: unstable)."""
@@ -1239,98 +1240,182 @@ def judge_test(
     if expected is None and not got and covered:
         return Judgement("mismatch", detail="no assertion ran")
     for index, event in enumerate(entry.events):
-        site = plan.sites.get(event.site)
-        if site is None:
-            return Judgement(
-                "failed", detail=f"an assertion event from an unknown site {event.site[:80]}"
-            )
-        if event.ok is not None or site.mode == "inproc":
-            # A verdict the judged process made itself counts only where the plan asked for
-            # one (an in-process site) or, at a site of the judge's, where the gold run's
-            # operands at this very event were not plain data either.
-            if (
-                site.mode == "judge"
-                and not own_verdicts
-                and not (event.adaptive and gold.in_process(key, index))
-            ):
-                return Judgement(
-                    "failed", detail=f"{site.id}: no plain data where the gold run's was"
-                )
-            if site.mode == "inproc" and event.ok is None:
-                return Judgement(
-                    "failed", detail=f"{site.id}: operands sent for an in-process site"
-                )
-            verdict.judged_in += 1
-            if event.ok is not True:
-                return Judgement("failed", detail=f"{site.id}: failed (judged in process)")
-            continue
-        if len(event.values) != len(site.held) and not (
-            site.op == "raises" and len(event.values) == 2
-        ):
-            return Judgement(
-                "failed", detail=f"{site.id}: the event's operands do not fit the site"
-            )
-        values: list[Any] = []
-        for i, ((is_held, held_value), value, was_plain) in enumerate(
-            zip(
-                site.held,
-                event.values[: len(site.held)],
-                event.plain[: len(site.held)],
-                strict=True,
-            )
-        ):
-            handle = event.keys[i] if i < len(event.keys) else None
-            if is_held:
-                if not event.held[i] or handle is not None:
-                    return Judgement("failed", detail=f"{site.id}: a held operand was not left out")
-                values.append(held_value)
-                continue
-            # A table's handle stands exactly where the gold run's stood, or nowhere.
-            expected_handle = gold.handle(key, index, i) if expected is not None else None
-            if handle != expected_handle or (handle is not None and handle not in plan.held):
-                return Judgement("failed", detail=f"{site.id}: a held value out of its place")
-            if handle is not None:
-                values.append(plan.held[handle])
-                continue
-            if event.held[i]:
-                return Judgement("failed", detail=f"{site.id}: a held operand out of its place")
-            if site.op not in _BY_TYPE | _BY_ID and not was_plain:
-                return Judgement(
-                    "failed",
-                    detail=f"{site.id}: an operand is not plain data",
-                    handles=[k for k in event.keys if k],
-                )
-            if site.op in _EQ and expected is not None:
-                pinned = gold.value(key, index, i)
-                if pinned is not _MISSING and not (type(value) is type(pinned) and value == pinned):
-                    return Judgement(
-                        "failed", detail=f"{site.id}: differs from the gold run's value"
-                    )
-            values.append(value)
-        if not holds(site, values, event):
-            return Judgement("failed", detail=f"{site.id}: {site.op} does not hold")
-        if site.counted:
+        failed = _event_failure(key, index, event, plan, gold, own_verdicts=own_verdicts)
+        if isinstance(failed, Judgement):
+            return failed
+        if failed:
             verdict.judged_out += 1
         else:
             verdict.judged_in += 1
     return verdict
 
 
-def covered_tests(plan: Plan, gold: Gold) -> dict[str, bool]:
-    """Required test -> covered: found in the pristine source, and at least one of its gold
-    run's assertions judged here."""
+def _event_failure(
+    key: str,
+    index: int,
+    event: Event,
+    plan: Plan,
+    gold: Gold,
+    *,
+    own_verdicts: bool = False,
+) -> Judgement | bool:
+    """One event judged against its site and the gold record: the failure, or whether it was
+    judged out of process (True) or in process (False)."""
+    expected = gold.sequence(key)
+    site = plan.sites.get(event.site)
+    if site is None:
+        return Judgement(
+            "failed", detail=f"an assertion event from an unknown site {event.site[:80]}"
+        )
+    if event.ok is not None or site.mode == "inproc":
+        # A verdict the judged process made itself counts only where the plan asked for one
+        # (an in-process site) or, at a site of the judge's, where the gold run's operands at
+        # this very event were not plain data either.
+        if (
+            site.mode == "judge"
+            and not own_verdicts
+            and not (event.adaptive and gold.in_process(key, index))
+        ):
+            return Judgement("failed", detail=f"{site.id}: no plain data where the gold run's was")
+        if site.mode == "inproc" and event.ok is None:
+            return Judgement("failed", detail=f"{site.id}: operands sent for an in-process site")
+        if event.ok is not True:
+            return Judgement("failed", detail=f"{site.id}: failed (judged in process)")
+        return False
+    if len(event.values) != len(site.held) and not (site.op == "raises" and len(event.values) == 2):
+        return Judgement("failed", detail=f"{site.id}: the event's operands do not fit the site")
+    values: list[Any] = []
+    for i, ((is_held, held_value), value, was_plain) in enumerate(
+        zip(site.held, event.values[: len(site.held)], event.plain[: len(site.held)], strict=True)
+    ):
+        handle = event.keys[i] if i < len(event.keys) else None
+        if is_held:
+            if not event.held[i] or handle is not None:
+                return Judgement("failed", detail=f"{site.id}: a held operand was not left out")
+            values.append(held_value)
+            continue
+        # A table's handle stands exactly where the gold run's stood, or nowhere.
+        expected_handle = gold.handle(key, index, i) if expected is not None else None
+        if handle != expected_handle or (handle is not None and handle not in plan.held):
+            return Judgement("failed", detail=f"{site.id}: a held value out of its place")
+        if handle is not None:
+            values.append(plan.held[handle])
+            continue
+        if event.held[i]:
+            return Judgement("failed", detail=f"{site.id}: a held operand out of its place")
+        if site.op not in _BY_TYPE | _BY_ID and not was_plain:
+            return Judgement(
+                "failed",
+                detail=f"{site.id}: an operand is not plain data",
+                handles=[k for k in event.keys if k],
+            )
+        if site.op in _EQ and expected is not None:
+            pinned = gold.value(key, index, i)
+            if pinned is not _MISSING and not (type(value) is type(pinned) and value == pinned):
+                return Judgement("failed", detail=f"{site.id}: differs from the gold run's value")
+        values.append(value)
+    if not holds(site, values, event):
+        return Judgement("failed", detail=f"{site.id}: {site.op} does not hold")
+    return site.counted
+
+
+#: Comparisons whose expected side cannot be met without knowing it: an equality, membership,
+#: closeness, a raised message. An inequality, truth, ``None``, identity or a class name can be
+#: met by a guess.
+_SECRET_OPS = {"eq", "seq_eq", "count_eq", "in", "approx", "almost"}
+
+
+def guessable(value: Any) -> bool:
+    """Whether an expected value can be met by a guess: a bool, None, 0 or ±1, an empty text,
+    or a container of nothing but such values (whose pattern flipping the bug's answers
+    may give)."""
+    if isinstance(value, Approx):
+        return guessable(value.expected)
+    if value is None or type(value) is bool:
+        return True
+    if type(value) in (int, float):
+        return value in (0, 1, -1)
+    if type(value) in (str, bytes):
+        return len(value) == 0
+    if type(value) in (list, tuple, set, frozenset):
+        return all(guessable(v) for v in value)
+    if type(value) is dict:
+        return all(guessable(k) and guessable(v) for k, v in value.items())
+    return False
+
+
+def decisive(key: str, plan: Plan, gold: Gold) -> list[int]:
+    """The indices of ``key``'s gold events that the empty patch's run does not reproduce: not
+    reached there, another site there, or failing there. These are what a fix must change."""
+    if gold.empty is None or not gold.runs:
+        return []
+    wanted = gold.runs[-1].get(key, TestEvents()).events
+    got = gold.empty.get(key, TestEvents()).events
+    out = []
+    diverged = False
+    for index, event in enumerate(wanted):
+        if not diverged and index < len(got) and got[index].site == event.site:
+            if not isinstance(_event_failure(key, index, got[index], plan, gold), Judgement):
+                continue  # reproduced without the fix
+        else:
+            diverged = True
+        out.append(index)
+    return out
+
+
+def secret_bearing(key: str, index: int, plan: Plan, gold: Gold) -> bool:
+    """Whether the gold run's ``index``-th event of ``key`` is judged here against an expected
+    value the judged process never holds and cannot guess."""
+    if not gold.runs or gold.in_process(key, index):
+        return False
+    events = gold.runs[-1].get(key, TestEvents()).events
+    if index >= len(events):
+        return False
+    site = plan.sites.get(events[index].site)
+    if site is None or site.mode != "judge" or not site.counted:
+        return False
+    if site.op == "raises":
+        message = site.extra.get("message")
+        return type(message) is str and not guessable(message)
+    if site.op not in _SECRET_OPS:
+        return False
+    for operand, (is_held, value) in enumerate(site.held):
+        if is_held and not guessable(value):
+            return True
+        handle = gold.handle(key, index, operand)
+        if (
+            not is_held
+            and handle is not None
+            and handle in plan.held
+            and not guessable(plan.held[handle])
+        ):
+            return True
+    return False
+
+
+def covered_tests(
+    plan: Plan, gold: Gold, fail_to_pass: set[str] | frozenset[str], *, secrets: bool = True
+) -> dict[str, bool]:
+    """Required test -> covered. Its function must be in the pristine source. A
+    ``FAIL_TO_PASS`` test is covered when one of its decisive events (`decisive`) is judged here
+    against a secret (`secret_bearing`); a ``PASS_TO_PASS`` test, and any test with
+    ``secrets`` off (a control), when at least one of its gold run's assertions is judged here.
+    A verdict the judged process makes itself can fail a test, never carry one."""
     out = {}
     for test, found in plan.found.items():
         key = plan.keys.get(test)
         ok = False
-        if found and key is not None:
-            events = gold.runs[-1].get(key, TestEvents()).events if gold.runs else []
-            ok = any(
-                e.ok is None
-                and plan.sites.get(e.site) is not None
-                and plan.sites[e.site].counted
-                and plan.sites[e.site].mode == "judge"
-                for e in events
-            )
+        if found and key is not None and gold.runs:
+            if secrets and test in fail_to_pass:
+                ok = any(secret_bearing(key, i, plan, gold) for i in decisive(key, plan, gold))
+            else:
+                events = gold.runs[-1].get(key, TestEvents()).events
+                ok = any(
+                    e.ok is None
+                    and plan.sites.get(e.site) is not None
+                    and plan.sites[e.site].counted
+                    and plan.sites[e.site].mode == "judge"
+                    for e in events
+                )
         out[test] = ok
     return out

@@ -1,13 +1,16 @@
 """The gold record: what the task's gold patch's runs recorded, the expectation every candidate
 of that task is judged against (`assertions.py`). Recorded once per task and grader version,
-in two judged runs, each in a fresh grading sandbox of its own, and cached on disk.
+in two judged runs of the gold patch and one of the empty patch, each in a fresh grading
+sandbox of its own, and cached on disk.
 
     record = await store.get(task, record_run)   # record_run(inproc) -> GoldRun
 
 Run 1 strips every literal and holds the tables' expected items (when a required test then
-fails, run 1 is made again with that test's tables as written); a site whose operands did not cross as plain data there runs in
-process in run 2 (and in every candidate's run). Values the two runs agree on are pinned; a
-test whose event sequence differs between them is unstable (its sequence is not enforced).
+fails, run 1 is made again with that test's tables as written); a site whose operands did not
+cross as plain data there runs in process in run 2 (and in every candidate's run). Values the
+two runs agree on are pinned; a test whose event sequence differs between them is unstable
+(its sequence is not enforced). The empty patch's run, planned as run 2, tells which events a
+fix must change (`assertions.decisive`), and so which required tests can be covered.
 
 The gold record is also the environment's control grading: when the gold patch does not pass
 its own required tests here, the task cannot be graded in this environment and a candidate's
@@ -20,10 +23,10 @@ import asyncio
 import hashlib
 import json
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from legorl.records import Task
 from legorl.verify import assertions
@@ -45,12 +48,21 @@ class GoldRun:
     failing: list[str] = field(default_factory=list)  # functions of the tests that did not pass
 
 
-#: ``record_run(inproc, sources, untabled, previous)``: one judged run of the gold patch; its
-#: assertions judged against ``previous`` (this record's earlier run), when there is one.
-Recorder = Callable[
-    [set[str], dict[str, str] | None, frozenset[str], list[list[dict[str, Any]]]],
-    Awaitable["GoldRun"],
-]
+class Recorder(Protocol):
+    """One judged run of the gold patch (of the empty patch with ``empty``), planned with
+    ``inproc``, ``sources`` and ``untabled``; the gold patch's assertions judged against
+    ``previous`` (this record's earlier run), when there is one. An empty patch's run is ok
+    when it ran, whatever its tests did."""
+
+    def __call__(
+        self,
+        inproc: set[str],
+        sources: dict[str, str] | None,
+        untabled: frozenset[str],
+        previous: list[list[dict[str, Any]]],
+        *,
+        empty: bool = False,
+    ) -> Awaitable[GoldRun]: ...
 
 
 @dataclass(slots=True)
@@ -61,9 +73,13 @@ class GoldRecord:
     inproc: list[str]  # sites judged in process (not plain data for the gold patch)
     runs: list[list[dict[str, Any]]]
     untabled: list[str] = field(default_factory=list)  # functions whose tables stay as written
+    empty: list[dict[str, Any]] | None = None  # the empty patch's run, planned as run 2
 
     def gold(self) -> assertions.Gold:
-        return assertions.Gold(runs=[assertions.by_test(r) for r in self.runs])
+        return assertions.Gold(
+            runs=[assertions.by_test(r) for r in self.runs],
+            empty=assertions.by_test(self.empty) if self.empty is not None else None,
+        )
 
 
 def grader_version() -> str:
@@ -186,4 +202,18 @@ class GoldStore:
             break
         else:
             return GoldRecord(False, "the gold record did not settle in three tries", {}, [], [])
-        return GoldRecord(True, "", first.sources, sorted(inproc), runs, sorted(untabled))
+        # The empty patch's run, planned as run 2: what it reproduces a fix need not change.
+        empty = await record_run(inproc, first.sources, untabled, runs, empty=True)
+        if not empty.ok:
+            return GoldRecord(
+                False, f"the empty patch's run failed here: {empty.reason}", first.sources, [], []
+            )
+        return GoldRecord(
+            True,
+            "",
+            first.sources,
+            sorted(inproc),
+            runs,
+            sorted(untabled),
+            _assertion_records(empty.records),
+        )

@@ -45,6 +45,7 @@ DEFENCES = frozenset(
     {
         "judge_assertions",
         "own_verdicts",
+        "decisive_secrets",
         "held_tables",
         "judged_user",
         "null_on_proof",
@@ -380,7 +381,9 @@ def _judge_assertions(
     off: frozenset[str],
 ) -> dict[str, str]:
     """Each required test's assertions, judged here; the in-process outcome must agree."""
-    covered = assertions.covered_tests(plan, gold)
+    covered = assertions.covered_tests(
+        plan, gold, set(task.FAIL_TO_PASS), secrets="decisive_secrets" not in off
+    )
     declared = set(task.uncoverable)
     out = dict(tests)
     why: dict[str, str] = {}
@@ -395,7 +398,11 @@ def _judge_assertions(
                 in_process.append(test)
                 continue
             flags.add("unverified")
-            why[test] = "no assertion of it is judged out of process"
+            why[test] = (
+                "none of the assertions a fix must change is judged out of process against a secret"
+                if test in task.FAIL_TO_PASS and "decisive_secrets" not in off
+                else "no assertion of it is judged out of process"
+            )
             out[test] = "unverified"
             continue
         assert key is not None
