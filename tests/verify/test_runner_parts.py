@@ -108,24 +108,28 @@ def _judged_run(repo: Path, plan: assertions.Plan | None) -> tuple[list[dict], d
     return found, outcomes
 
 
-def _gold(tmp: Path, tests: str = LIB_TESTS) -> tuple[list[str], assertions.Plan, assertions.Gold]:
+def _gold(
+    tmp: Path, tests: str = LIB_TESTS, gold: str = GOLD, base: str = BASE
+) -> tuple[list[str], assertions.Plan, assertions.Gold]:
     """The plan of the required tests in ``tests``, and the gold patch's record: two runs of
-    it and one of the base (``BASE``, what the empty patch leaves)."""
+    ``gold`` and one of ``base`` (what the empty patch leaves)."""
     pristine = {TESTS: textwrap.dedent(tests)}
     required = [t for t in REQUIRED if t.split("::")[-1] in tests]
     plan = assertions.plan_files(required, pristine, django=False, pytest=True, inproc=set())
     runs = []
     for _ in range(2):
-        found, _ = _judged_run(_repo(tmp / "gold", GOLD, tests), plan)
+        found, _ = _judged_run(_repo(tmp / "gold", gold, tests), plan)
         runs.append(assertions.by_test(found))
-    empty, _ = _judged_run(_repo(tmp / "base", BASE, tests), plan)
+    empty, _ = _judged_run(_repo(tmp / "base", base, tests), plan)
     return required, plan, assertions.Gold(runs=runs, empty=assertions.by_test(empty))
 
 
-def _judge(tmp: Path, candidate: str, tests: str = LIB_TESTS) -> tuple[dict, dict]:
+def _judge(
+    tmp: Path, candidate: str, tests: str = LIB_TESTS, gold_lib: str = GOLD
+) -> tuple[dict, dict]:
     """Gold recorded, then ``candidate`` judged: (judgements, in-process outcomes). The
     required tests count as ``PASS_TO_PASS`` here (coverage: one assertion judged here)."""
-    required, plan, gold = _gold(tmp, tests)
+    required, plan, gold = _gold(tmp, tests, gold_lib)
     found, outcomes = _judged_run(_repo(tmp / "candidate", candidate, tests), plan)
     events = assertions.by_test(found)
     covered = assertions.covered_tests(plan, gold, set())
@@ -170,6 +174,54 @@ def test_a_failing_test_is_covered_only_by_an_assertion_the_fix_changes_judged_o
     assert [assertions.guessable(v) for v in (True, None, 0, -1, "", [False, True], 15, "B")] == [
         True, True, True, True, True, True, False, False,
     ]  # fmt: skip
+
+
+def test_identity_with_a_held_literal_is_its_exact_value(tmp_path: Path) -> None:
+    tests = """
+        import unittest
+
+        from lib import area
+
+
+        class TestUnit(unittest.TestCase):
+            def test_equal(self):
+                self.assertIs(area(2, 3) == 6, True)
+                self.assertIsNot(area(2, 3), None)
+    """
+    verdicts, _ = _judge(tmp_path / "gold", GOLD, tests)
+    assert [v.outcome for v in verdicts.values()] == ["passed"], verdicts
+    verdicts, _ = _judge(tmp_path / "base", BASE, tests)
+    assert [v.outcome for v in verdicts.values()] == ["failed"], verdicts
+
+
+def test_a_raised_message_is_checked_by_the_judge_not_the_tests_manager(tmp_path: Path) -> None:
+    # The candidate raises the right class with the bug's message, and makes pytest.raises
+    # accept any message (round 2 did this to Django's assertRaisesMessage): the in-process
+    # outcome passes; the judge holds the message and checks what was raised.
+    tests = """
+        import pytest
+        from lib import area
+
+
+        def test_raises():
+            with pytest.raises(ValueError, match="negative width"):
+                area(-1, 2)
+    """
+    gold = GOLD.replace(
+        "    return", "    if w < 0:\n        raise ValueError('negative width')\n    return"
+    )
+    candidate = (
+        "import pytest, contextlib\n"
+        "_raises = pytest.raises\n"
+        "pytest.raises = lambda exc, match=None: _raises(exc)\n"
+        + GOLD.replace("    return", "    if w < 0:\n        raise ValueError('bad')\n    return")
+    )
+    verdicts, outcomes = _judge(tmp_path / "forged", candidate, tests, gold)
+    key = f"{TESTS}::test_raises"
+    assert outcomes[key] == "passed"  # the control: the in-process outcome is fooled
+    assert verdicts[key].outcome == "failed", verdicts[key]
+    verdicts, _ = _judge(tmp_path / "gold", gold, tests, gold)
+    assert verdicts[key].outcome == "passed", verdicts[key]
 
 
 def test_literals_leave_the_test_file_and_the_judge_holds_them() -> None:

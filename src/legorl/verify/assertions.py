@@ -23,9 +23,11 @@ What is judged where:
   written (``judged_in_process``), as does a truth check whose expression compares in-process.
 
 Coverage is fixed before the candidate's code runs, from the pristine test source and the gold
-record: a required test is covered when its function is found and the gold run judged at least
-one of its assertions here. An uncovered required test is ``unverified`` (a failure) unless the
-task declares it uncoverable (``Task.uncoverable``).
+record (which holds a run of the empty patch too). A ``FAIL_TO_PASS`` test is covered when one
+of the events a fix must change (``decisive``) is judged here against an expected value the
+judged process never holds and cannot guess (``secret_bearing``); a ``PASS_TO_PASS`` test when
+the gold run judged at least one of its assertions here. An uncovered required test is
+``unverified`` (a failure) unless the task declares it uncoverable (``Task.uncoverable``).
 """
 
 from __future__ import annotations
@@ -1025,6 +1027,10 @@ def holds(site: Site, values: list[Any], event: Event) -> bool:
     """Whether the assertion holds on plain values (never code of the judged process)."""
     op = site.op
     try:
+        if op in _BY_ID and any(is_held for is_held, _ in site.held):
+            # Identity with a literal the judge holds (``assertIs(x, True)``): its exact value.
+            same = type(values[0]) is type(values[1]) and values[0] == values[1]
+            return same == (op == "same")
         if op in _BY_ID:
             a_id, b_id = event.idents[0], event.idents[1]
             if a_id is None or b_id is None:
