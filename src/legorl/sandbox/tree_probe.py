@@ -301,6 +301,24 @@ def _text(git: dict[str, str], root: str, row: dict[str, Any]) -> dict[str, str 
     return {"before_text": before, "after_text": after}
 
 
+def _diff(
+    root: str, git: dict[str, str], req: dict[str, Any], rows: list[dict[str, Any]], odd: list[str]
+) -> dict[str, Any]:
+    """The tree as it is against ``base``: its changes, and its patch written beside ``out``."""
+    result: dict[str, Any] = {"changes": rows, "odd": odd}
+    if req.get("respect_ignores"):
+        fresh = [r["path"] for r in rows if r["before"] is None]
+        drop = ignored(root, git, fresh)
+        rows = [r for r in rows if r["path"] not in drop]
+    rows = [r for r in rows if ".git" not in r["path"].casefold().split("/")]
+    tree = write_tree(root, git, req["base"], rows)
+    patch_file = req["out"] + (".patch" if req["mode"] == "diff" else ".diff.patch")
+    with open(patch_file, "wb") as fh:
+        fh.write(tree_diff(git, req["base"], tree))
+    result.update(tree=tree, paths=[r["path"] for r in rows], patch_file=patch_file)
+    return result
+
+
 def main(request_path: str) -> int:
     if request_path == "-":
         req = json.load(sys.stdin)
@@ -335,18 +353,11 @@ def main(request_path: str) -> int:
                     p for p in set(now) | set(then) if now.get(p) != then.get(p)
                 ),
             }
+            if req.get("diff_index"):  # the judged diff too, for when nothing is reverted
+                result["diff"] = _diff(root, dict(git, index=req["diff_index"]), req, rows, odd)
         elif mode == "diff":
             rows, odd = changes(root, git, req["base"], skip_junk=req.get("skip_junk", False))
-            result = {"changes": rows, "odd": odd}
-            if req.get("respect_ignores"):
-                fresh = [r["path"] for r in rows if r["before"] is None]
-                drop = ignored(root, git, fresh)
-                rows = [r for r in rows if r["path"] not in drop]
-            rows = [r for r in rows if ".git" not in r["path"].casefold().split("/")]
-            tree = write_tree(root, git, req["base"], rows)
-            with open(out + ".patch", "wb") as fh:
-                fh.write(tree_diff(git, req["base"], tree))
-            result.update(tree=tree, paths=[r["path"] for r in rows])
+            result = _diff(root, git, req, rows, odd)
         else:
             raise RuntimeError(f"unknown mode {mode!r}")
     except (OSError, RuntimeError) as exc:
@@ -354,9 +365,10 @@ def main(request_path: str) -> int:
     with open(out, "w") as fh:
         json.dump(result, fh)
     if req.get("print"):
-        if mode == "diff" and "error" not in result:
-            with open(out + ".patch", "rb") as fh:
-                result["patch"] = fh.read().decode("utf-8", "replace")
+        for part in (result, result.get("diff")):
+            if part and "patch_file" in part:
+                with open(part["patch_file"], "rb") as fh:
+                    part["patch"] = fh.read().decode("utf-8", "replace")
         sys.stdout.write(json.dumps(result) + "\n")
     return 0 if "error" not in result else 3
 

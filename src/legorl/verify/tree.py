@@ -181,12 +181,13 @@ async def probe(sandbox: Sandbox, mode: str, python: str = "python3", **req: Any
             raise SandboxError(f"grading: the tree probe ({mode}) failed: {why}") from None
     if "error" in out:
         raise SandboxError(f"grading: the tree probe ({mode}) failed: {out['error']}")
-    if mode == "diff" and "patch" not in out:
-        try:
-            patch = await sandbox.read_file(f"{name}.out.patch", limit=PROBE_LIMIT)
-        except OSError as exc:
-            raise SandboxError(f"grading: the judged tree's patch: {exc}") from None
-        out["patch"] = patch.decode("utf-8", "replace")
+    for part in (out if mode == "diff" else None, out.get("diff")):
+        if part is not None and "patch" not in part:
+            try:
+                patch = await sandbox.read_file(str(part["patch_file"]), limit=PROBE_LIMIT)
+            except (OSError, KeyError) as exc:
+                raise SandboxError(f"grading: the judged tree's patch: {exc}") from None
+            part["patch"] = patch.decode("utf-8", "replace")
     return out
 
 
@@ -422,6 +423,7 @@ async def _judge_tree(
         texts=sorted(PYTEST_SECTIONS),
         extra_dirs=[GRADE_DIR],
         gitdir=[f"{sandbox.workdir}/.git", ORIG_GIT],
+        diff_index=f"{GRADE_DIR}/judged.idx",
     )
     base_paths = set(found["base_paths"])
     after = (base_paths - {r["path"] for r in found["changes"] if r["after"] is None}) | {
@@ -452,7 +454,10 @@ async def _judge_tree(
             {"path": f".git/{p}", "reason": "git_dir_touched", "action": "restored"}
             for p in found["gitdir_differ"]
         ]
-    diff = await real_changes(sandbox)
+    if not bad and not found["gitdir_differ"]:
+        diff = found["diff"]  # nothing was reverted: the survey's diff is the tree's
+    else:
+        diff = await real_changes(sandbox, base)
     left = rules(diff["changes"])
     if left or diff["odd"]:
         raise SandboxError(f"grading: reverting left rule-breaking paths: {left[:3]}")
@@ -460,11 +465,11 @@ async def _judge_tree(
     judged.diff = diff["patch"]
 
 
-async def real_changes(sandbox: Sandbox) -> dict[str, Any]:
+async def real_changes(sandbox: Sandbox, base: str | None = None) -> dict[str, Any]:
     """The grading tree against the base commit as it really is: ``paths`` (changed paths),
     ``patch`` (their binary-safe unified diff, made with no attributes or drivers) and
     ``changes`` (each path's mode and blob before and after). Needs ``prepare`` first."""
-    base = await _base_sha(sandbox)
+    base = base or await _base_sha(sandbox)
     return await probe(sandbox, "diff", base=base, index=f"{GRADE_DIR}/judged.idx")
 
 
