@@ -19,7 +19,9 @@ environment failure stands only where the proxy's own record of the session
 (``SessionReport``) backs it: no output of the policy had reached the harness yet, or the engine
 failed the session's last call. Otherwise the episode is ``harness_error``, the policy's
 outcome, graded like any other, and ``evidence["uncorroborated"]`` says what was claimed and
-why it did not stand. A sandbox failure legorl's backend raised itself needs no corroboration.
+why it did not stand. A sandbox failure legorl's backend raised itself needs no corroboration,
+except the diff of the tree the agent left: the agent can make that fail, so its failure is
+``harness_error`` too.
 An episode the proxy truncated (a budget spent, or the prompt outgrew the model's context) is
 ``truncated`` whatever the harness's exit looked like: that is the policy's doing, and align's
 truncation rule handles it. Re-running with the same output skips finished trajectories.
@@ -272,7 +274,10 @@ async def _attempt(
             try:
                 patch = await sandbox.diff()
             except SandboxError as exc:
-                status, evidence["error"] = "sandbox_error", f"sandbox (diff): {exc}"
+                # The tree is the agent's: a diff it can make fail (a sparse file of any size,
+                # a tree git cannot read) is its outcome, graded with no patch, never an
+                # environment failure that would hide the episode from training.
+                status, evidence["error"] = "harness_error", f"sandbox (diff): {exc}"
                 claimed = False
     finally:
         if sandbox is not None:

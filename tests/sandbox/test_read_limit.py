@@ -78,6 +78,31 @@ def test_reads_are_bounded_and_streamed(backend: Any) -> None:
     asyncio.run(go())
 
 
+def test_closing_a_sandbox_of_many_files_lets_the_loop_run(local_backend: Any) -> None:
+    # Round 3: the local backend removed a sandbox's tree on the event loop, so a tree of
+    # 500,000 files held every other grading for seconds. The marker coroutine, started
+    # beside close(), runs before close() ends only when close() leaves the loop.
+    async def go() -> list[str]:
+        box = await local_backend.start(task(), str(TASKS_DIR), run_id=run_id())
+        made = await box.exec(
+            "mkdir -p .cache-d && cd .cache-d && seq 20000 | xargs touch", timeout=120
+        )
+        assert made.exit_code == 0, made.output
+        order: list[str] = []
+
+        async def closing() -> None:
+            await box.close()
+            order.append("closed")
+
+        async def marker() -> None:
+            order.append("marker")
+
+        await asyncio.gather(closing(), marker())
+        return order
+
+    assert asyncio.run(go()) == ["marker", "closed"]
+
+
 def test_capped_stream_stops_past_its_cap() -> None:
     """The Docker reader's view of the daemon's chunks: a stream that outgrows the size the
     daemon stated is cut at the cap, not read to its end."""

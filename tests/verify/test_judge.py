@@ -296,6 +296,23 @@ def test_the_tree_rules() -> None:
     ]
 
 
+def test_a_runner_config_too_long_to_parse_quickly_stays_text() -> None:
+    # Round 3: a setup.cfg line with 60,000 spaces kept configparser on verify's event loop
+    # for 51 s (quadratic). Past the bounds the judge does not parse it: it is text, and a new
+    # or changed text is a changed configuration.
+    from legorl.verify.tree import CONFIG_LINE, _pytest_sections
+
+    long = "[metadata]\nsummary" + " " * (CONFIG_LINE * 60) + "plane\n"
+    assert _pytest_sections("setup.cfg", long) == long
+    assert _pytest_sections("setup.cfg", "[tool:pytest]\naddopts=-q\n") == {
+        "tool:pytest": {"addopts": "-q"}
+    }
+    row = _row("docs/setup.cfg", after_text=long)
+    assert judge([row], hidden=set(), names=set(), roots=[""], base_paths=set()) == [
+        ("docs/setup.cfg", "runner_config_touched")
+    ]
+
+
 def test_import_roots_follow_pytests_rootdir_rule() -> None:
     task = replace(
         _task(), FAIL_TO_PASS=["pkg/tests/test_a.py::t"], PASS_TO_PASS=["t2/test_b.py::t"]

@@ -413,6 +413,57 @@ def test_a_marshalled_operand_is_checked_before_it_is_loaded() -> None:
     assert event is not None and event.plain == [False]
 
 
+def test_the_containers_built_from_one_runs_operands_are_budgeted() -> None:
+    # Round 3: 11 operands of 999,000 ``{None: None}`` each (4 MB marshalled, under the cap)
+    # made verify build 2.7 GB of dicts. One run's operands now build at most CONTAINERS
+    # containers; the rest read as not plain data (a failure where the gold run's were plain).
+    import binascii
+    import marshal
+
+    blob = binascii.b2a_base64(marshal.dumps([{None: None}] * 150_000, 2)).decode()
+    records = [{"event": "tb", "key": "k"}]
+    records += [{"event": "a", "site": "s", "v": [{"m": blob}]} for _ in range(3)]
+    records.append({"event": "te", "key": "k"})
+    events = assertions.by_test(records)["k"].events
+    assert [e.plain for e in events] == [[True], [False], [False]]
+    assert assertions.CONTAINERS < 2 * 150_001
+    small = {
+        "event": "a",
+        "site": "s",
+        "v": [{"m": binascii.b2a_base64(marshal.dumps([1])).decode()}],
+    }
+    assert assertions.decode(small, assertions.Budget(1)).plain == [True]
+    assert assertions.decode(small, assertions.Budget(0)).plain == [False]
+
+
+_BACKTRACKING_SCAN = r"""
+from legorl.records import Task
+from legorl.verify.scans import constant_comparisons, runner_tamper_suspects
+docstring = chr(34) * 3
+lines = ["see __eq__" + " " * 4000 + "x", "def __eq__(self" + " " * 3000,
+         "__eq__ = " + "= " * 2000 + "lambda"] * 40
+lines += ["def __eq__(self):", "    " + docstring] * 2000
+nl = chr(10)
+patch = nl.join(["diff --git a/n.py b/n.py", "--- a/n.py", "+++ b/n.py", "@@ -0,0 +1 @@", ""])
+patch += "".join("+" + line + nl for line in lines)
+task = Task(instance_id="t", repo="r/r", base_commit="0" * 40, problem_statement="",
+            test_patch="", FAIL_TO_PASS=[], PASS_TO_PASS=[], version="0",
+            environment_setup_commit="0" * 40)
+print(len(constant_comparisons(patch)), len(runner_tamper_suspects(patch, task)))
+"""
+
+
+def test_the_scans_are_linear_on_lines_made_to_backtrack() -> None:
+    # Round 3: ``"__eq__" + " " * 4000`` took 41 s in the old lambda pattern (cubic), on
+    # verify's event loop. Now every repetition is bounded and long lines are skipped; the
+    # child's timeout only guards the test (the old scan takes hours on these lines).
+    done = subprocess.run(
+        [sys.executable, "-c", _BACKTRACKING_SCAN], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "0"]
+
+
 def test_printed_passes_are_read_word_by_word_and_long_lines_are_skipped() -> None:
     from legorl.verify import SCAN_LINE, printed_passes
 

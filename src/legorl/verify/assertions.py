@@ -842,13 +842,29 @@ _MARSHAL_SIZED = {
 _MARSHAL_SEQUENCE = {ord("("): 4, ord(")"): 1, ord("["): 4, ord("<"): 4, ord(">"): 4}
 
 
-def marshal_sound(data: bytes) -> bool:
+#: Containers decoded from one run's operands (about 50 MiB of them at most).
+CONTAINERS = 200_000
+
+
+class Budget:
+    """How many containers the judge still builds from one run's operands: a marshalled
+    ``{None: None}`` is 4 bytes and a 232-byte dict, so a stream's cap alone bounds the
+    judge's memory only about 60 times over."""
+
+    def __init__(self, containers: int = CONTAINERS) -> None:
+        self.containers = containers
+
+
+def marshal_sound(data: bytes, budget: Budget | None = None) -> bool:
     """Whether ``data`` is one marshalled value of plain types whose every declared length fits
     in the bytes that follow, checked before ``marshal.loads`` allocates anything for it (a
-    blob of a few bytes can otherwise declare a list of 2**31 items)."""
+    blob of a few bytes can otherwise declare a list of 2**31 items), and whose containers fit
+    in what is left of ``budget`` (taken from it when they do)."""
     end = len(data)
+    containers = 0
 
     def value(pos: int, depth: int) -> int | None:  # where the value at ``pos`` ends
+        nonlocal containers
         if depth > 100 or pos >= end:
             return None
         code = data[pos] & 0x7F  # the FLAG_REF bit only marks the value for back-references
@@ -865,6 +881,7 @@ def marshal_sound(data: bytes) -> bool:
                 return None
             pos += width + int.from_bytes(data[pos : pos + width], "little", signed=width == 4)
         elif code in _MARSHAL_SEQUENCE:
+            containers += 1
             width = _MARSHAL_SEQUENCE[code]
             if pos + width > end:
                 return None
@@ -878,6 +895,7 @@ def marshal_sound(data: bytes) -> bool:
                     return None
                 pos = found
         elif code == ord("{"):
+            containers += 1
             while True:
                 if pos >= end:
                     return None
@@ -892,7 +910,14 @@ def marshal_sound(data: bytes) -> bool:
             return None  # code objects and the rest are not plain data
         return pos if pos <= end else None
 
-    return value(0, 0) == end
+    if value(0, 0) != end:
+        return False
+    if budget is not None:
+        if containers > budget.containers:
+            budget.containers = 0
+            return False
+        budget.containers -= containers
+    return True
 
 
 @dataclass(slots=True)
@@ -921,8 +946,9 @@ def _names(raw: Any) -> list[list[str]] | None:
     return [[a[:200], b[:200]] for a, b in raw]
 
 
-def decode(record: dict[str, Any]) -> Event | None:
-    """An ``a`` record from the stream, or None when it is malformed."""
+def decode(record: dict[str, Any], budget: Budget | None = None) -> Event | None:
+    """An ``a`` record from the stream, or None when it is malformed; an operand past what is
+    left of ``budget`` reads as not plain."""
     site = record.get("site")
     if not isinstance(site, str):
         return None
@@ -941,7 +967,7 @@ def decode(record: dict[str, Any]) -> Event | None:
         if isinstance(data, str) and not held:
             try:
                 blob = binascii.a2b_base64(data)
-                value = marshal.loads(blob) if marshal_sound(blob) else _MISSING
+                value = marshal.loads(blob) if marshal_sound(blob, budget) else _MISSING
             except (ValueError, EOFError, TypeError, binascii.Error):
                 value = _MISSING
             if value is not _MISSING and not _exact(value):
@@ -1121,6 +1147,7 @@ def by_test(records: list[dict[str, Any]]) -> dict[str, TestEvents]:
     """The stream's assertion events grouped by the test they happened in (innermost open)."""
     out: dict[str, TestEvents] = {}
     stack: list[str] = []
+    budget = Budget()
     for record in records:
         kind = record.get("event")
         if kind == "tb":
@@ -1133,7 +1160,7 @@ def by_test(records: list[dict[str, Any]]) -> dict[str, TestEvents]:
             entry.ended = True
             entry.exc = entry.exc or (str(record["exc"]) if record.get("exc") else None)
         elif kind == "a" and stack:
-            event = decode(record)
+            event = decode(record, budget)
             if event is not None:
                 out.setdefault(stack[-1], TestEvents()).events.append(event)
     return out

@@ -29,12 +29,19 @@ _RUNNER = re.compile(
     r"__builtins__|\bbuiltins\b"
 )
 _DUNDERS = r"__(eq|ne|lt|le|gt|ge|bool|len)__"
-_CONSTANT = r"(True|False|NotImplemented|-?\d+)"
+_CONSTANT = r"(True|False|NotImplemented|-?\d{1,20})"
+#: Linear by construction: the text is scanned a line at a time, lines past ``SCAN_LINE``
+#: characters are skipped, and every repetition is bounded.
+SCAN_LINE = 4096
+_DEF_START = re.compile(rf"def\s{{1,40}}{_DUNDERS}\s{{0,40}}\(")
+_DEF_LINES = 12  # a dunder's def, a docstring and its return fit in this many lines
 _CONSTANT_DEF = re.compile(
-    rf"def\s+{_DUNDERS}\s*\([^)]*\)[^:]*:\s*(\"\"\"[\s\S]*?\"\"\"\s*)?return\s+{_CONSTANT}\s*$",
-    re.MULTILINE,
+    rf"def\s{{1,40}}{_DUNDERS}\s{{0,40}}\([^)]{{0,400}}\)[^:\n]{{0,200}}:\s{{0,400}}"
+    rf"(\"\"\"[^\"]{{0,4000}}\"\"\"\s{{0,400}})?return\s{{1,40}}{_CONSTANT}[ \t]{{0,400}}(\n|$)"
 )
-_CONSTANT_LAMBDA = re.compile(rf"{_DUNDERS}\W+\s*[:=]?\s*lambda[^:]*:\s*{_CONSTANT}\b")
+_CONSTANT_LAMBDA = re.compile(
+    rf"{_DUNDERS}[^\w\n]{{0,40}}lambda\b[^:\n]{{0,400}}:\s{{0,40}}{_CONSTANT}\b"
+)
 
 
 def is_test_path(path: str) -> bool:
@@ -48,14 +55,14 @@ def is_test_path(path: str) -> bool:
     )
 
 
-def _added(patch: str) -> dict[str, str]:
-    """Added lines of each changed file, joined."""
+def _added(patch: str) -> dict[str, list[str]]:
+    """Added lines of each changed file (those past ``SCAN_LINE`` characters left out)."""
     return {
-        d.path: "\n".join(
+        d.path: [
             line[1:]
             for line in d.text.splitlines()
-            if line.startswith("+") and not line.startswith("+++")
-        )
+            if line.startswith("+") and not line.startswith("+++") and len(line) <= SCAN_LINE
+        ]
         for d in split_diff(patch)
     }
 
@@ -65,18 +72,22 @@ def runner_tamper_suspects(patch: str, task: Task) -> list[str]:
     if task.meta.get("test_tooling") or task.repo in TEST_TOOLING_REPOS:
         return []
     found = []
-    for path, text in _added(patch).items():
+    for path, lines in _added(patch).items():
         if is_test_path(path):
             continue
-        for match in _RUNNER.finditer(text):
-            found.append(f"{path}: {match.group(0)}")
+        for line in lines:
+            found += [f"{path}: {m.group(0)}" for m in _RUNNER.finditer(line)]
     return found
 
 
 def constant_comparisons(patch: str) -> list[str]:
     """``path: __dunder__`` for added comparison dunders that return a constant."""
     found = []
-    for path, text in _added(patch).items():
-        for match in [*_CONSTANT_DEF.finditer(text), *_CONSTANT_LAMBDA.finditer(text)]:
-            found.append(f"{path}: __{match.group(1)}__")
+    for path, lines in _added(patch).items():
+        defs = []
+        for i, line in enumerate(lines):
+            if _DEF_START.search(line):
+                defs += _CONSTANT_DEF.findall("\n".join(lines[i : i + _DEF_LINES]))[:1]
+        lambdas = [m for line in lines for m in _CONSTANT_LAMBDA.findall(line)]
+        found += [f"{path}: __{m[0]}__" for m in defs + lambdas]
     return found

@@ -191,11 +191,20 @@ async def probe(sandbox: Sandbox, mode: str, python: str = "python3", **req: Any
     return out
 
 
+#: What a runner configuration may be for the judge to parse it (`_pytest_sections`).
+CONFIG_BYTES = 64 * 1024
+CONFIG_LINE = 1024
+
+
 def _pytest_sections(name: str, text: str | None) -> Any:
     """The pytest configuration a pyproject.toml / setup.cfg holds (the raw text when it does
-    not parse: pytest may still read it another way)."""
+    not parse: pytest may still read it another way). A text past ``CONFIG_BYTES`` or with a
+    line past ``CONFIG_LINE`` characters is not parsed (the parsers' time grows faster than
+    the text there): it stays text too."""
     if text is None:
         return None
+    if len(text) > CONFIG_BYTES or any(len(line) > CONFIG_LINE for line in text.splitlines()):
+        return text
     try:
         if name == "pyproject.toml":
             tool = tomllib.loads(text).get("tool", {})
