@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -185,3 +186,24 @@ def engine_log_beside(engine: str, opts: dict[str, Any], folder: Path) -> dict[s
     if engine == "vllm" and "base_url" not in opts:
         opts.setdefault("log_path", str(folder / "vllm-server.log"))
     return opts
+
+
+@contextlib.asynccontextmanager
+async def on_ray(command: str, address: str, setup: Any) -> AsyncIterator[Any]:
+    """The Ray executor (``legorl.executors.ray``) for ``setup`` on the cluster at
+    ``address``: started before anything is written (the nodes it leaves out named on stderr),
+    stopped after, its summary on stderr; a cluster that cannot take the work ends the
+    command in one line."""
+    from legorl.executors.ray import ExecutorError, RayExecutor
+
+    executor = RayExecutor(address, setup)
+    try:
+        await executor.start()
+        for why in executor.stats.refused.values():
+            console.print(f"legorl {command}: left out: {why}", markup=False, soft_wrap=True)
+        yield executor
+    except ExecutorError as exc:
+        fail(command, f"--ray {address}: {exc}")
+    finally:
+        await executor.close()
+    console.print(f"legorl {command}: on Ray: {executor.stats.summary()}", markup=False)

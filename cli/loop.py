@@ -3,6 +3,7 @@ weights reloaded into the in-process proxy after each step; held-out evaluation 
 
     legorl loop --model fixtures/models/tiny-agent --tasks-dir fixtures/tasks-generated --out runs/loop
     legorl loop --iterations 8 --group-size 8 --lr 1e-5 kl_coef=0.01 correction=seq_mask
+    legorl loop --ray auto …   # every phase on the running Ray cluster
 
 Re-running the same command with the same --out continues an interrupted loop; a finished one
 only prints its summary. Exit status: 0 done; 1 a stage failed; 2 bad usage.
@@ -183,6 +184,16 @@ def loop(
         bool,
         typer.Option(help="Training runs sample with seeds from SEED, iteration and sample."),
     ] = _D.seeded_rollouts,
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            "--ray",
+            metavar="ADDRESS",
+            help="Run every phase on the Ray cluster at ADDRESS (auto: the one running here), "
+            "one worker per node with its own engine, proxy and sandboxes; the weights reach "
+            "every node after each step.",
+        ),
+    ] = _D.ray,
     report_to: ReportTo = None,
 ) -> None:
     """Rollout → verify → align → train, ITERATIONS times, with held-out evaluation."""
@@ -222,6 +233,7 @@ def loop(
         on_stale=on_stale,
         refill_filtered=refill_filtered,
         seeded_rollouts=seeded_rollouts,
+        ray=ray,
     )
     try:
         config.validate()

@@ -26,6 +26,7 @@ from ._common import (
     console,
     fail,
     key_values,
+    on_ray,
     require_images,
 )
 
@@ -228,11 +229,9 @@ def rollout(
                     fail("rollout", f"--engine {engine}: {exc}")
                 await consume(endpoint, served_model or core.served_name)
 
-    cluster: list[Any] = []
-
     async def on_cluster(address: str, spec: EngineSpec, show: Any) -> None:
         from legorl import __version__
-        from legorl.executors.ray import ExecutorError, RayExecutor, WorkerSetup
+        from legorl.executors.ray import WorkerSetup
         from legorl.records import JsonlWriter
 
         assert model is not None
@@ -255,12 +254,7 @@ def rollout(
             timeout=timeout,
             run_id=run_id,
         )
-        executor = RayExecutor(address, setup)
-        cluster.append(executor.stats)
-        try:
-            await executor.start()  # before --out is opened: a cluster that cannot take it
-            for why in executor.stats.refused.values():
-                console.print(f"legorl rollout: left out: {why}", markup=False, soft_wrap=True)
+        async with on_ray("rollout", address, setup) as executor:
             with JsonlWriter(out) as writer:
                 async for traj in executor.rollout_runs(
                     runs,
@@ -274,17 +268,11 @@ def rollout(
                     progress.completion_tokens += traj.tokens.completion
                     monitor.observe_trajectory(traj)
                     show(traj)
-        except ExecutorError as exc:
-            fail("rollout", f"--ray {address}: {exc}")
-        finally:
-            await executor.close()
 
     try:
         asyncio.run(main())
     except MonitorStop as stop:
         fail("rollout", str(stop))
-    if cluster:
-        console.print(f"legorl rollout: on Ray: {cluster[0].summary()}", markup=False)
     summary = ", ".join(f"{k} {v}" for k, v in sorted(progress.by_status.items())) or "nothing"
     console.print(
         f"legorl rollout: {progress.done} trajectories ({summary}); "

@@ -9,7 +9,7 @@ import asyncio
 import uuid
 from collections import Counter
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -22,6 +22,7 @@ from ._common import (
     console,
     fail,
     iter_inputs,
+    on_ray,
     require_images,
 )
 
@@ -92,11 +93,10 @@ def verify(
 
     run_id = f"legorl-verify-{uuid.uuid4().hex[:8]}"
     config = VerifyConfig(test_timeout=test_timeout)
-    cluster: list[Any] = []
 
     async def main() -> None:
         from legorl import __version__
-        from legorl.executors.ray import ExecutorError, RayExecutor, WorkerSetup
+        from legorl.executors.ray import WorkerSetup
 
         if ray is None:
             with JsonlWriter(out) as writer:
@@ -119,19 +119,10 @@ def verify(
             run_id=run_id,
             verify_config=config,
         )
-        executor = RayExecutor(ray, setup)
-        cluster.append(executor.stats)
-        try:
-            await executor.start()  # before --out is opened: a cluster that cannot take it
-            for why in executor.stats.refused.values():
-                console.print(f"legorl verify: left out: {why}", markup=False, soft_wrap=True)
+        async with on_ray("verify", ray, setup) as executor:
             with JsonlWriter(out) as writer:
                 async for graded in executor.grade_all(trajectories, by_id, load_turns=load):
                     take(writer, graded)
-        except ExecutorError as exc:
-            fail("verify", f"--ray {ray}: {exc}")
-        finally:
-            await executor.close()
 
     def take(writer: JsonlWriter, graded: Trajectory) -> None:
         writer.write(graded)
@@ -144,8 +135,6 @@ def verify(
         asyncio.run(main())
     except MonitorStop as stop:
         fail("verify", str(stop))
-    if cluster:
-        console.print(f"legorl verify: on Ray: {cluster[0].summary()}", markup=False)
     console.print(
         f"legorl verify: {counts['graded']} graded, {counts['resolved']} resolved, "
         f"{counts['not graded']} not graded, {counts['flagged']} with hack flags",

@@ -191,14 +191,16 @@ def test_more_iterations_continue_a_finished_loop_without_redoing_it(
     assert again.already_finished and again.state.finished == 2
 
 
-def _cli(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+def _cli(
+    *args: str, cwd: Path, timeout: int = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "legorl.cli.main", "loop", *args],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "COLUMNS": "200"},
+        env={**os.environ, "COLUMNS": "200", **(env or {})},
     )
 
 
@@ -296,6 +298,10 @@ def test_a_killed_loop_continues_mid_iteration(tmp_path: Path) -> None:
         (["--lr-groups", "lm_head=1e-3"], "lr_groups: 'lm_head' takes no trained parameter"),
         (["--scale-only", "norm["], "scale_only: not a regular expression"),
         (["--scale-only", "lm_head"], "scale_only: 'lm_head' finds none of the parameters"),
+        (
+            ["--ray", "auto", "--engine", "vllm", "--engine-opt", "base_url=http://127.0.0.1:9"],
+            "--ray: each node's worker serves the policy itself",
+        ),
     ],
 )
 def test_bad_values_exit_2_naming_the_flag(tmp_path: Path, args: list[str], named: str) -> None:
@@ -315,6 +321,29 @@ def test_a_missing_task_file_is_named(tmp_path: Path) -> None:
     result = _cli("--model", str(MODEL), "--tasks-dir", str(tasks), cwd=tmp_path, timeout=60)
     assert result.returncode == 2
     assert f"--tasks-dir: {tasks / 'heldout.jsonl'}: no such task file" in result.stderr
+
+
+def test_a_harness_missing_here_fails_before_any_sandbox_in_one_line(tmp_path: Path) -> None:
+    import socket
+
+    from legorl.loop.runner import preflight
+
+    # this host's PATH without python3, the interpreter the built-in `mini` agent runs with
+    farm = tmp_path / "bin"
+    farm.mkdir()
+    for exe in Path("/usr/bin").iterdir():
+        if exe.name != "python3":
+            (farm / exe.name).symlink_to(exe)
+    base = ["--model", str(MODEL), "--tasks-dir", str(TASKS), "--out", "run"]
+    result = _cli(*base, cwd=tmp_path, timeout=120, env={"PATH": f"{farm}:/usr/local/bin"})
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines == [
+        f"legorl loop: error: harness mini is not installed on node {socket.gethostname()} "
+        "(python3 is not on PATH); install: install python3 (the built-in agent runs with it)"
+    ], result.stderr
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written
+    preflight(_config(tmp_path / "run"))  # the control: with python3 on PATH it passes
 
 
 def test_a_changed_option_is_refused_when_continuing(

@@ -282,7 +282,7 @@ def test_legorl_help_does_not_import_ray() -> None:
         "import sys\n"
         "from typer.testing import CliRunner\n"
         "from legorl.cli.main import app\n"
-        "for args in (['--help'], ['rollout', '--help'], ['verify', '--help']):\n"
+        "for args in (['--help'], ['rollout', '--help'], ['verify', '--help'], ['loop', '--help']):\n"
         "    assert CliRunner().invoke(app, args).exit_code == 0\n"
         "print('ray' in sys.modules)\n"
     )

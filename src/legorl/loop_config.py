@@ -138,6 +138,9 @@ class LoopConfig:
     refill_filtered: bool = False  # a group filtered for equal rewards frees its slot
     # training runs sample with seeds from their iteration and sample index (replayable draws)
     seeded_rollouts: bool = False
+    # Run every phase on the Ray cluster at this address ("auto": the one running here), one
+    # worker per node with its own engine, proxy and sandboxes; None: in this process.
+    ray: str | None = None
 
     @property
     def groups_per_batch(self) -> int:
@@ -224,6 +227,15 @@ class LoopConfig:
             if not (Path(self.tasks_dir) / f"{split}.jsonl").is_file():
                 problem = f"{Path(self.tasks_dir) / f'{split}.jsonl'}: no such task file"
                 raise LoopConfigError("tasks_dir", problem + hint["tasks_dir"])
+        if self.ray is not None and not self.ray.strip():
+            raise LoopConfigError("ray", "give the cluster's address, or auto")
+        if self.ray is not None and "base_url" in self.engine_options:
+            raise LoopConfigError(
+                "ray",
+                "each node's worker serves the policy itself and syncs its weights: a shared "
+                "server at base_url is not synced per node; leave base_url out (each node "
+                "launches its own) or use --engine embedded",
+            )
         if self.engine == "vllm" and self.train_config().router_replay == "r3":
             raise LoopConfigError(
                 "train",

@@ -364,6 +364,10 @@ class GradeWork:
     run_id: str
 
 
+class ExecutorError(RuntimeError):
+    """The executor cannot take the work (no cluster, no node fit, every node gone): one line."""
+
+
 @runtime_checkable
 class Executor(Protocol):
     """Where a loop's rollout and grading work runs: in this process
@@ -373,7 +377,10 @@ class Executor(Protocol):
     environment failures included (an executor never raises for one run's failure). ``grade``
     yields each graded Trajectory (``reward``, ``verdict``, ``hack_flags`` set), one per input.
     ``prepare`` makes sure the work on ``tasks`` can run (sandbox images built or pulled), raising
-    ``SandboxError`` when it cannot, before the loop starts any work."""
+    ``SandboxError`` when it cannot, before the loop starts any work. ``load_weights`` moves the
+    engine(s) the rollouts sample from to the checkpoint folder ``path`` of this machine (calls in
+    flight finish under the old weights) and returns the new policy version, raising
+    ``EngineError`` when it cannot."""
 
     name: ClassVar[str]
 
@@ -382,5 +389,7 @@ class Executor(Protocol):
     def rollout(self, work: RolloutWork) -> AsyncIterator[Any]: ...
 
     def grade(self, work: GradeWork) -> AsyncIterator[Any]: ...
+
+    async def load_weights(self, path: str) -> int: ...
 
     async def close(self) -> None: ...

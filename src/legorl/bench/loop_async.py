@@ -85,11 +85,13 @@ class _Executor:
                     version = self.core.engine.policy_version
                     if tid.startswith(self.old):
                         version = 0
-                    self.runner.engine_meter.start()
+                    meter = self.runner.engine_meter
+                    assert meter is not None  # the simulated engine is this process's
+                    meter.start()
                     try:
                         await asyncio.sleep(self.call_s)
                     finally:
-                        self.runner.engine_meter.stop()
+                        meter.stop()
                     turns.append(
                         Turn(
                             session=tid,

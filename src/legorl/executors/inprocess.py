@@ -83,6 +83,11 @@ class InProcessExecutor:
         ):
             yield graded
 
+    async def load_weights(self, path: str) -> int:
+        """The loop's engine, behind its proxy, swapped to the checkpoint at ``path``."""
+        version: int = await self.core.load_weights(path)
+        return version
+
     async def close(self) -> None:
         self._backends.clear()
 

@@ -19,6 +19,11 @@ Before any run, every worker checks its node: the driver's legorl version, the s
 (bubblewrap or Docker) and the harness (``harness_preflight``). A node that fails one is left
 out, with its reason on stderr; with none left the command fails in one line.
 
+The loop (``legorl loop --ray``) keeps its workers for the whole run (``serve``): each node's
+engine starts once, every phase's rollouts and gradings run there, and after each training step
+``load_weights`` ships the checkpoint's files to every node through the object store, where the
+node's engine loads them as an in-process engine would (calls in flight finish first).
+
 Faults: a run whose worker dies (its node lost) goes back to the queue and runs elsewhere, so
 every run ends in the output exactly once; a worker that raises on a run gives that run a
 ``sandbox_error`` naming the node (``evidence.executor``), and the others go on; ``RayStats``
@@ -29,8 +34,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -41,14 +48,13 @@ from pathlib import Path
 from typing import Any
 
 import legorl
+from legorl.protocols import ExecutorError
 from legorl.records import Trajectory, Turn
+
+__all__ = ["ExecutorError", "NodeWorker", "RayExecutor", "RayStats", "WorkerSetup"]
 
 #: A node's declared slots: runs it takes at once (else its CPU count).
 SLOTS_RESOURCE = "legorl_runs"
-
-
-class ExecutorError(RuntimeError):
-    """The cluster cannot take the work (no cluster, no node fit): one line for the CLI."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -111,9 +117,12 @@ class NodeWorker:
         self.refusal = self._check()
         self._stack: contextlib.AsyncExitStack | None = None
         self._ctx: Any = None
+        self._core: Any = None
         self._backend: Any = None
+        self._harnesses: dict[str, Any] = {}
         self._lock = asyncio.Lock()
         self._turns = Path(tempfile.mkdtemp(prefix="legorl-ray-turns-"))
+        self._weights: Path | None = None  # the last checkpoint shipped here
 
     def _check(self) -> str | None:
         setup = self.setup
@@ -158,10 +167,18 @@ class NodeWorker:
             from legorl.harnesses import make_harness
             from legorl.rollout import RunContext, serve_engine
 
+            # a vLLM server it launches logs on this node, not in a folder of the driver's
+            engine = replace(setup.engine, log_dir=self._turns)
+            if engine.options.get("device") == "auto":  # this node's accelerator, if any
+                import torch
+
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+                engine = replace(engine, options={**engine.options, "device": device})
             self._stack = contextlib.AsyncExitStack()
             endpoint, core = await self._stack.enter_async_context(
-                serve_engine(setup.model, setup.engine, self._turns, setup.budget)
+                serve_engine(setup.model, engine, self._turns, setup.budget)
             )
+            self._core = core
             self._ctx = RunContext(
                 harness=make_harness(setup.harness, **setup.harness_options),
                 backend=self._backend,
@@ -174,12 +191,53 @@ class NodeWorker:
             )
             return self._ctx
 
-    async def rollout(self, run: Any) -> Trajectory:
-        """One run (``legorl.rollout.Run``) here; its Turns come back inline."""
+    async def serve(self) -> dict[str, Any]:
+        """Start the node's engine and proxy now (a long-lived worker: the loop's); what the
+        harnesses ask for and the policy version it serves."""
+        await self._start()
+        return {"served_name": self._core.served_name, "version": self._policy_version()}
+
+    def _policy_version(self) -> int:
+        version: int = self._core.engine.policy_version
+        return version
+
+    async def load_weights(self, files: dict[str, bytes]) -> int:
+        """Swap the node's engine to the checkpoint whose files (relative path -> bytes) the
+        driver shipped: written to a folder of this node, loaded as the driver's own engine
+        loads a checkpoint (calls in flight finish under the old weights); the new version."""
+        await self._start()
+        folder = Path(tempfile.mkdtemp(prefix="legorl-ray-weights-"))
+        for name, data in files.items():
+            path = folder / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        try:
+            version: int = await self._core.load_weights(str(folder))
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        if self._weights is not None:
+            shutil.rmtree(self._weights, ignore_errors=True)
+        self._weights = folder
+        return version
+
+    def _harness(self, options: dict[str, Any]) -> Any:
+        from legorl.harnesses import make_harness
+
+        key = json.dumps(options, sort_keys=True, default=str)
+        if key not in self._harnesses:
+            self._harnesses[key] = make_harness(self.setup.harness or "", **options)
+        return self._harnesses[key]
+
+    async def rollout(self, run: Any, harness_options: dict[str, Any] | None = None) -> Trajectory:
+        """One run (``legorl.rollout.Run``) here, its harness with ``harness_options`` (None:
+        the setup's); its Turns come back inline."""
         from legorl.records import read_jsonl
         from legorl.rollout import run_one
 
         ctx = await self._start()
+        if harness_options is not None and harness_options != self.setup.harness_options:
+            ctx = replace(ctx, harness=self._harness(harness_options))
         traj = await run_one(run, ctx)
         path = self._turns / f"{run.trajectory_id}.jsonl"
         turns = list(read_jsonl(path, Turn, skip_bad=True)) if path.exists() else []
@@ -206,6 +264,9 @@ class NodeWorker:
         if self._stack is not None:
             await self._stack.aclose()
             self._stack = None
+        if self._weights is not None:
+            shutil.rmtree(self._weights, ignore_errors=True)
+            self._weights = None
 
 
 def connect(address: str) -> Any:
@@ -353,6 +414,9 @@ async def schedule(
                 flight[fut] = (worker, item)
                 worker.busy += 1
             if not flight:
+                if queue and any(w.alive for w in workers):  # slots held by other work
+                    await asyncio.sleep(0.05)
+                    continue
                 raise ExecutorError(
                     f"every node of the cluster is gone; {len(queue)} run(s) not done"
                 )
@@ -434,11 +498,59 @@ class RayExecutor:
         self.stats = RayStats()
         self._ray: Any = None
         self._workers: list[_Worker] = []
+        self._serving = False
 
     async def start(self) -> RayStats:
         self._ray = connect(self.address)
         self._workers = await asyncio.to_thread(start_workers, self._ray, self.setup, self.stats)
         return self.stats
+
+    async def serve(self) -> str:
+        """``start``, then each worker's engine and proxy now, for work that comes piece after
+        piece over one policy (the loop's phases): every ``rollout`` and ``grade`` then runs
+        on these workers, and ``load_weights`` moves every node's engine to a new checkpoint.
+        Returns the model name the harnesses ask for."""
+        await self.start()
+        got = await asyncio.gather(
+            *(_result(w.handle.serve.remote()) for w in self._workers), return_exceptions=True
+        )
+        names: set[str] = set()
+        for w, info in zip(self._workers, got, strict=True):
+            if isinstance(info, BaseException):
+                raise ExecutorError(f"node {w.node}: its engine did not start: {_first(info)}")
+            names.add(info["served_name"])
+        self._serving = True
+        return sorted(names)[0]
+
+    async def load_weights(self, path: str) -> int:
+        """The checkpoint folder ``path`` (on this machine) shipped to every worker through
+        the object store and loaded by each node's engine; the new policy version, the same on
+        every node. A node lost meanwhile is left out; an engine that refuses raises
+        ``EngineError`` naming its node."""
+        from legorl.protocols import EngineError
+
+        root = Path(path)
+        files = {
+            str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()
+        }
+        ref = self._ray.put(files)
+        alive = [w for w in self._workers if w.alive]
+        got = await asyncio.gather(
+            *(_result(w.handle.load_weights.remote(ref)) for w in alive), return_exceptions=True
+        )
+        versions: dict[str, int] = {}
+        for w, version in zip(alive, got, strict=True):
+            if isinstance(version, BaseException):
+                if _lost(version):
+                    w.alive = False
+                    continue
+                raise EngineError(f"node {w.node}: weight sync: {_first(version)}")
+            versions[w.node] = version
+        if not versions:
+            raise EngineError("weight sync: every node of the cluster is gone")
+        if len(set(versions.values())) > 1:
+            raise EngineError(f"weight sync: the nodes serve different versions: {versions}")
+        return next(iter(versions.values()))
 
     async def rollout_runs(
         self,
@@ -522,6 +634,26 @@ class RayExecutor:
 
     async def rollout(self, work: Any) -> AsyncIterator[Trajectory]:
         """A ``RolloutWork`` on the cluster; Turns land in ``{work.folder}/turns``."""
+        if self._serving:  # on the workers already serving the policy
+            if (work.harness, work.sandbox) != (self.setup.harness, self.setup.sandbox):
+                raise ExecutorError(
+                    f"the workers run harness {self.setup.harness} in {self.setup.sandbox} "
+                    f"sandboxes, not {work.harness} in {work.sandbox}"
+                )
+            folder = Path(work.folder).resolve()
+            (folder / "turns").mkdir(parents=True, exist_ok=True)
+            options = dict(work.harness_options)
+            async for traj in schedule(
+                self._ray,
+                self._workers,
+                work.runs,
+                lambda w, run: w.handle.rollout.remote(run, options),
+                lambda run, node, exc: _crashed_run(run, node, exc, work.harness),
+                self.stats,
+                concurrency=work.concurrency,
+            ):
+                yield write_turns(traj, folder / "turns", folder)
+            return
         sub = self._for(
             harness=work.harness,
             harness_options=dict(work.harness_options),
@@ -551,6 +683,15 @@ class RayExecutor:
         """A ``GradeWork`` on the cluster; the Turns its hack scans read are sent along."""
         from legorl.executors.inprocess import load_turns
 
+        if self._serving:
+            async for graded in self.grade_all(
+                work.trajectories,
+                {t.instance_id: t for t in work.tasks},
+                load_turns=lambda traj: load_turns(traj, Path(work.folder)),
+                concurrency=work.concurrency,
+            ):
+                yield graded
+            return
         sub = self._for(
             harness=None,
             sandbox=work.sandbox,
@@ -582,3 +723,30 @@ class RayExecutor:
             with contextlib.suppress(Exception):
                 self._ray.kill(w.handle)
         self._workers = []
+        self._serving = False
+
+
+def _result(ref: Any) -> asyncio.Future[Any]:
+    return asyncio.wrap_future(ref.future())
+
+
+def _first(exc: BaseException) -> str:
+    """An exception's first line, the cause's when Ray wrapped it."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException):
+        exc = cause
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _lost(exc: BaseException) -> bool:
+    """The worker died (its node lost), rather than raised."""
+    from ray.exceptions import (
+        ActorDiedError,
+        ActorUnavailableError,
+        RayActorError,
+        WorkerCrashedError,
+    )
+
+    lost = (ActorDiedError, ActorUnavailableError, RayActorError, WorkerCrashedError)
+    return isinstance(exc, lost)

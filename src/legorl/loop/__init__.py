@@ -5,7 +5,11 @@ before the first iteration and after the last.
     legorl loop --model fixtures/models/tiny-agent --tasks-dir fixtures/tasks-generated --out runs/loop
 
 One engine and one proxy live for the whole loop; each phase (an iteration's rollouts, an
-evaluation) sends its Turns to its own folder. Iteration k trains on ``tasks_per_iteration`` tasks
+evaluation) sends its Turns to its own folder. With ``--ray ADDRESS`` every phase runs on a Ray
+cluster instead (``legorl.executors.ray``): one worker per node with its own engine, proxy and
+sandboxes, each trained checkpoint shipped to every node; the drivers see only the
+``Executor`` protocol. Before any engine or sandbox starts, the loop's harness is checked here
+(or by each node's worker): a missing one stops it in one line naming the node and the fix. Iteration k trains on ``tasks_per_iteration`` tasks
 of ``train.jsonl``, taken round-robin from a seeded shuffle, ``group_size`` samples each. The
 held-out evaluation samples ``eval_samples`` runs per ``heldout.jsonl`` task with fixed seeds
 (``seed`` + sample index), the same before and after, so the two are comparable; its success is

@@ -280,7 +280,7 @@ class AsyncRunner(Runner):
     async def _trainer(self) -> None:
         c, state = self.config, self.state
         last = time.monotonic()
-        busy0 = self.engine_meter.busy()
+        busy0 = self.engine_busy()
         idle = 0.0
         rerun_keys: list[str] = []  # dropped for staleness and re-rolled, for this step
         while self.steps < c.iterations:
@@ -361,7 +361,7 @@ class AsyncRunner(Runner):
             phases["reload"] = round(drain, 3)
             now = time.monotonic()
             seconds = now - last
-            busy = self.engine_meter.busy()
+            busy = self.engine_busy()
             result = stages.iteration_result(
                 iteration=k,
                 tasks=[g.task.instance_id for g in trained_groups],
@@ -380,7 +380,11 @@ class AsyncRunner(Runner):
                     "filtered": filtered,
                     "rerun": rerun,
                     "drain_seconds": round(drain, 3),
-                    "engine_busy_fraction": round((busy - busy0) / seconds, 4) if seconds else None,
+                    "engine_busy_fraction": (
+                        round((busy - busy0) / seconds, 4)
+                        if seconds and self.engine_meter is not None
+                        else None
+                    ),
                     "trainer_idle_fraction": round(idle / seconds, 4) if seconds else None,
                 },
             )

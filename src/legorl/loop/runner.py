@@ -11,6 +11,7 @@ import dataclasses
 import json
 import shutil
 import time
+import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from legorl.loop.state import (
     write_plot,
 )
 from legorl.loop_config import LoopConfig, LoopConfigError
-from legorl.protocols import RolloutWork, SandboxError
+from legorl.protocols import ExecutorError, RolloutWork, SandboxError
 from legorl.records import Trajectory
 
 
@@ -63,6 +64,19 @@ def load_splits(config: LoopConfig) -> dict[str, list[Any]]:
     return splits
 
 
+def preflight(config: LoopConfig) -> None:
+    """The loop's harness can run here, before any engine or sandbox starts; a ``LoopError``
+    naming the harness, this node and the install line when it cannot."""
+    from legorl.harnesses import make_harness
+    from legorl.sandbox.runtime import PreflightError, harness_preflight
+
+    harness = make_harness(stages.LOOP_HARNESS, **stages.harness_options(config))
+    try:
+        harness_preflight(harness, config.sandbox)
+    except PreflightError as exc:
+        raise LoopError(str(exc)) from None
+
+
 def run_loop(
     config: LoopConfig, *, log: Log | None = None, progress: ProgressFn | None = None
 ) -> LoopResult:
@@ -75,6 +89,8 @@ def run_loop(
     started = time.monotonic()
     config.validate()
     splits = load_splits(config)
+    if config.ray is None:  # on a cluster, each node's worker checks its own
+        preflight(config)
     from legorl.train.trainer import TrainError, check_parameter_choice
 
     try:  # a pattern that takes no parameter fails now, not after the first rollout
@@ -151,9 +167,15 @@ class Runner:
         self.monitor = Monitor(alerts_path=self.out / "alerts.jsonl")
         self.started = time.monotonic()
         self.base_seconds = state.seconds
-        self.core: Any = None
+        self.core: Any = None  # the in-process proxy's core (None on Ray: each node has its own)
         self.executor: Any = None
-        self.engine_meter = stages.BusyMeter()
+        self._served_name = ""
+        # calls of the engine in flight (None: not measured here, each Ray node has its own)
+        self.engine_meter: stages.BusyMeter | None = stages.BusyMeter()
+
+    def engine_busy(self) -> float:
+        """Seconds the engine has had a call in flight (0 when not measured here)."""
+        return self.engine_meter.busy() if self.engine_meter is not None else 0.0
 
     def save(self) -> None:
         self.state.seconds = round(self.base_seconds + time.monotonic() - self.started, 3)
@@ -165,49 +187,121 @@ class Runner:
         ckpt = self.state.checkpoint
         return self.out / ckpt if ckpt is not None else Path(self.config.model)
 
-    async def run(self) -> None:
-        from legorl.executors import InProcessExecutor
-        from legorl.rollout import EngineSpec, serve_engine
+    def engine_spec(self) -> Any:
+        """The engine the loop serves, on the weights it serves now (a continued loop: the last
+        checkpoint, at the policy version those weights had, not 0)."""
+        from legorl.rollout import EngineSpec
 
-        c, state = self.config, self.state
+        c = self.config
         options = dict(c.engine_options)  # vllm: reloads go through its weight-reload endpoints
         if c.engine == "embedded":
-            device = c.device
-            if device == "auto":
-                import torch
-
-                device = "cuda" if torch.cuda.is_available() else "cpu"
-            options = {"device": device, **c.engine_options}  # and its dtype, when given
-        # A continued loop starts the engine on the last checkpoint: its version is the one
-        # those weights had, not 0.
-        engine = EngineSpec(
+            options = {"device": c.device, **c.engine_options}  # and its dtype, when given
+        return EngineSpec(
             name=c.engine,
             weights=self.model_path,
             options=options,
-            policy_version=state.policy_version,
+            policy_version=self.state.policy_version,
             log_dir=self.out,
         )
+
+    async def run(self) -> None:
+        c, state = self.config, self.state
         async with contextlib.AsyncExitStack() as stack:
             try:
-                endpoint, self.core = await stack.enter_async_context(
-                    serve_engine(c.model, engine, self.out / "eval-before" / "turns")
-                )
-            except Exception as exc:
-                raise LoopError(f"engine: cannot load {self.model_path}: {exc}") from None
-            self.engine_meter = stages.BusyMeter()
-            self.core.engine = stages.MeteredEngine(self.core.engine, self.engine_meter)
-            self.executor = InProcessExecutor(self.core, endpoint.url)
-            stack.push_async_callback(self.executor.close)
+                if c.ray is None:
+                    await self._serve_here(stack)
+                else:
+                    await self._serve_on_ray(stack, c.ray)
+                if state.eval_at(0) is None:
+                    await self._evaluate(0, self.out / "eval-before")
+                await self.train_iterations()
+                if state.eval_at(state.finished) is None:
+                    await self._evaluate(state.finished, self.out / "eval-after")
+            except ExecutorError as exc:  # e.g. every node of the cluster gone
+                where = f"--ray {c.ray}" if c.ray is not None else f"executor {self.executor.name}"
+                raise LoopError(f"{where}: {exc}") from None
+
+    async def _serve_here(self, stack: contextlib.AsyncExitStack) -> None:
+        """One engine behind one proxy in this process, and the in-process executor over it."""
+        from legorl.executors import InProcessExecutor
+        from legorl.rollout import serve_engine
+
+        c = self.config
+        engine = self.engine_spec()
+        if engine.options.get("device") == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            engine = dataclasses.replace(engine, options={**engine.options, "device": device})
+        try:
+            endpoint, self.core = await stack.enter_async_context(
+                serve_engine(c.model, engine, self.out / "eval-before" / "turns")
+            )
+        except Exception as exc:
+            raise LoopError(f"engine: cannot load {self.model_path}: {exc}") from None
+        self.engine_meter = stages.BusyMeter()
+        self.core.engine = stages.MeteredEngine(self.core.engine, self.engine_meter)
+        self._served_name = self.core.served_name
+        self.executor = InProcessExecutor(self.core, endpoint.url)
+        stack.push_async_callback(self.executor.close)
+        try:
+            tasks = [t for ts in self.splits.values() for t in ts]
+            await self.executor.prepare(c.sandbox, {}, tasks)
+        except SandboxError as exc:
+            raise LoopError(f"sandbox {c.sandbox}: {exc}") from None
+
+    async def _serve_on_ray(self, stack: contextlib.AsyncExitStack, address: str) -> None:
+        """A worker on each node of the Ray cluster at ``address``, each with its own engine
+        (on the loop's base model, then its last checkpoint, shipped), proxy and sandboxes; the
+        phases run there and the weight syncs reach every node. Each node's engine calls are
+        its own: the engine's busy fraction is not measured here."""
+        from legorl import __version__
+        from legorl.executors.ray import RayExecutor, WorkerSetup
+
+        c, state = self.config, self.state
+        # The model folder is at the same path on every node, as the tasks are; a checkpoint
+        # is shipped below, and loading it makes the version the loop is at.
+        engine = dataclasses.replace(
+            self.engine_spec(),
+            weights=Path(c.model).resolve(),
+            policy_version=state.policy_version - (state.checkpoint is not None),
+        )
+        setup = WorkerSetup(
+            version=__version__,
+            sandbox=c.sandbox,
+            harness=stages.LOOP_HARNESS,
+            harness_options=stages.harness_options(c),
+            engine=engine,
+            model=str(Path(c.model).resolve()),
+            tasks_dir=str(Path(c.tasks_dir).resolve()),
+            timeout=c.timeout,
+            run_id=f"legorl-loop-{uuid.uuid4().hex[:8]}",
+        )
+        executor = RayExecutor(address, setup)
+        self.executor = executor
+        self.engine_meter = None
+        stack.push_async_callback(self._close_ray, executor)
+        self._served_name = await executor.serve()
+        for why in executor.stats.refused.values():
+            self.log(f"on Ray: left out: {why}")
+        self.log(f"on Ray: {executor.stats.summary()}")
+        if state.checkpoint is not None:
+            from legorl.protocols import EngineError
+
             try:
-                tasks = [t for ts in self.splits.values() for t in ts]
-                await self.executor.prepare(c.sandbox, {}, tasks)
-            except SandboxError as exc:
-                raise LoopError(f"sandbox {c.sandbox}: {exc}") from None
-            if state.eval_at(0) is None:
-                await self._evaluate(0, self.out / "eval-before")
-            await self.train_iterations()
-            if state.eval_at(state.finished) is None:
-                await self._evaluate(state.finished, self.out / "eval-after")
+                version = await executor.load_weights(str((self.out / state.checkpoint).resolve()))
+            except EngineError as exc:
+                raise LoopError(f"--ray {address}: {exc}") from None
+            if version != state.policy_version:
+                raise LoopError(
+                    f"--ray {address}: the nodes serve policy version {version}, the loop is at "
+                    f"{state.policy_version}"
+                )
+
+    async def _close_ray(self, executor: Any) -> None:
+        await executor.close()
+        if executor.stats.nodes:
+            self.log(f"on Ray: {executor.stats.summary()}")
 
     async def train_iterations(self) -> None:
         for k in range(self.state.finished + 1, self.config.iterations + 1):
@@ -215,8 +309,8 @@ class Runner:
 
     @property
     def served_name(self) -> str:
-        name: str = self.core.served_name
-        return name
+        """The model name the harnesses ask the proxy for."""
+        return self._served_name or self.core.served_name
 
     # ---- one phase: rollout and grading, resumable ---------------------------------------
 
@@ -298,7 +392,7 @@ class Runner:
                 shutil.rmtree(aside, ignore_errors=True)
                 folder.rename(aside)
         folder.mkdir(parents=True, exist_ok=True)
-        version = self.core.engine.policy_version
+        version = self.state.policy_version
         marker.write_text(json.dumps({"step": step, "policy_version": version}) + "\n")
         what = "before the first iteration" if step == 0 else f"after iteration {step}"
         tasks = self.splits["heldout"][: c.eval_limit]
@@ -355,7 +449,7 @@ class Runner:
             from legorl.protocols import EngineError
 
             try:
-                version = await self.core.load_weights(str(ckpt.resolve()))
+                version = await self.executor.load_weights(str(ckpt.resolve()))
             except (EngineError, NotImplementedError) as exc:
                 raise LoopError(f"iteration {k}: weight sync: {exc}") from None
             self.state.checkpoint = str(ckpt.relative_to(self.out))
@@ -390,7 +484,7 @@ class Runner:
         c, state = self.config, self.state
         folder = self.out / f"iter-{k:03d}"
         t0 = time.monotonic()
-        busy0 = self.engine_meter.busy()
+        busy0 = self.engine_busy()
         tasks = iteration_tasks(self.splits["train"], c.groups_per_batch, k, c.seed)
         version = state.policy_version
         self.log(
@@ -442,7 +536,9 @@ class Runner:
                 "groups": [f"{stages.group_prefix(k)}{t.instance_id}" for t in tasks],
                 "drain_seconds": round(drain, 3),
                 "engine_busy_fraction": (
-                    round((self.engine_meter.busy() - busy0) / seconds, 4) if seconds else None
+                    round((self.engine_busy() - busy0) / seconds, 4)
+                    if seconds and self.engine_meter is not None
+                    else None
                 ),
                 "trainer_idle_fraction": (
                     round(1 - phases["train"] / seconds, 4) if seconds else None

@@ -18,6 +18,9 @@ from legorl.loop_config import LoopConfig
 from legorl.protocols import ConfigError, Executor, GradeWork, RolloutWork
 from legorl.records import JsonlWriter, Metric, Sample, Trajectory, write_jsonl
 
+#: The harness the loop's runs use: the built-in minimal agent.
+LOOP_HARNESS = "mini"
+
 
 def group_prefix(batch: int) -> str:
     """The id prefix of the runs a batch (1-based; an iteration of the sync loop) admits."""
@@ -35,7 +38,7 @@ def rollout_work(config: LoopConfig, runs: list[Any], folder: Path, model: str) 
     """Training runs as plain data: the loop's ``mini`` harness, sandbox and limits."""
     return RolloutWork(
         runs=runs,
-        harness="mini",
+        harness=LOOP_HARNESS,
         harness_options=harness_options(config),
         sandbox=config.sandbox,
         model=model,

@@ -25,7 +25,16 @@ PLOT_FILE = "loop.png"
 EVAL_FILE = "eval.json"
 
 #: Options that may change between a run and its continuation; the others must not.
-_MAY_CHANGE = {"out", "iterations", "sandbox", "concurrency", "timeout", "device", "engine_options"}
+_MAY_CHANGE = {
+    "out",
+    "iterations",
+    "sandbox",
+    "concurrency",
+    "timeout",
+    "device",
+    "engine_options",
+    "ray",
+}
 _PATHS = {"model", "tasks_dir"}
 
 Log = Callable[[str], None]
