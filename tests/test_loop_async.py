@@ -139,6 +139,8 @@ def test_the_async_loop_reports_its_metrics(sync_and_k0: tuple[Path, Path, LoopR
     ):
         assert (1, name) in names and (2, name) in names, name
     for it in result.state.iterations:
+        # the drain is the engine's wait for the calls in flight, a part of the whole sync
+        assert it.trained and 0 <= it.drain_seconds <= it.phase_seconds["reload"]
         assert it.engine_busy_fraction is not None and 0 < it.engine_busy_fraction <= 1
         assert it.trainer_idle_fraction is not None and 0 <= it.trainer_idle_fraction < 1
         # every group consumed once, in the order drawn
@@ -310,6 +312,26 @@ def test_a_trainer_crash_stops_the_loop_with_the_reason_and_the_rollouts(
     assert len(list(read_jsonl(tmp_path / "run" / "iter-001" / "graded.jsonl", Trajectory))) == 4
 
 
+def _runs_at(out: Path) -> tuple[dict[str, bytes], dict[str, bytes], dict[str, bytes]]:
+    """Of the training batches under ``out``: each written trajectory's record and each written
+    grading's (by run id), and the Turns of each run in flight (a Turn file, no trajectory)."""
+    written: dict[str, bytes] = {}
+    graded: dict[str, bytes] = {}
+    in_flight: dict[str, bytes] = {}
+    for folder in sorted(out.glob("iter-*")):
+        for name, into in (("trajectories.jsonl", written), ("graded.jsonl", graded)):
+            path = folder / name
+            for line in path.read_bytes().splitlines() if path.exists() else []:
+                try:
+                    into[json.loads(line)["trajectory_id"]] = line
+                except ValueError:  # a line cut by the kill: not written
+                    continue
+        for turns in (folder / "turns").glob("*.jsonl"):
+            if turns.stem not in written:
+                in_flight[turns.stem] = turns.read_bytes()
+    return written, graded, in_flight
+
+
 def test_a_killed_async_loop_resumes_without_training_an_episode_twice(tmp_path: Path) -> None:
     import signal
     import time
@@ -335,48 +357,77 @@ def test_a_killed_async_loop_resumes_without_training_an_episode_twice(tmp_path:
         except (OSError, ValueError, KeyError):
             return 0
 
+    # The kill: after step 1, while a later batch has a run in flight and one written
     deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and finished() < 1:
-        time.sleep(0.05)
+    while time.monotonic() < deadline and proc.poll() is None:
+        f = finished()
+        if f >= 1:
+            written, _, in_flight = _runs_at(out)
+            if in_flight and any(int(t[2:5]) > f for t in written):
+                break
+        time.sleep(0.01)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert finished() == 1
-    first = (out / "iter-001" / "samples.jsonl").read_bytes()
+    steps = finished()
+    assert 1 <= steps < 3
+    # what the kill left (nothing changes it now): runs written, gradings, runs in flight
+    written, graded, in_flight = _runs_at(out)
+    assert in_flight, "no run was in flight at the kill"
+    untrained = {t for t in written if int(t[2:5]) > steps}  # written, its step not taken
+    assert untrained, "no run of a step still to come was written before the kill"
+    trained_before = {
+        k: (out / f"iter-{k:03d}" / "samples.jsonl").read_bytes() for k in range(1, steps + 1)
+    }
 
     resumed = _cli(*args, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "continuing after iteration 1" in resumed.stderr
-    assert (out / "iter-001" / "samples.jsonl").read_bytes() == first
+    assert f"continuing after iteration {steps}" in resumed.stderr
+    for k, data in trained_before.items():  # the finished steps are kept as they were
+        assert (out / f"iter-{k:03d}" / "samples.jsonl").read_bytes() == data, k
     state = json.loads((out / "state.json").read_text())
     assert state["finished"] == 3
+    after_written, after_graded, after_in_flight = _runs_at(out)
+    assert not after_in_flight
+    # a run written before the kill is kept: its record and grading as they were, not run again
+    for tid, record in written.items():
+        assert after_written[tid] == record, tid
+        assert not list(out.glob(f"iter-*/turns/{tid}.jsonl.orphan-*")), tid  # not run again
+    for tid, record in graded.items():
+        assert after_graded[tid] == record, tid
+    # a run in flight at the kill was run again: its Turns then were set aside whole, it has a
+    # trajectory now, and what was trained of it came from the new run's Turns
+    samples = {
+        s.episode_id: s
+        for k in range(steps + 1, 4)
+        for s in read_jsonl(out / f"iter-{k:03d}" / "samples.jsonl", Sample)
+    }
+    for tid, turns_then in in_flight.items():
+        (turns,) = out.glob(f"iter-*/turns/{tid}.jsonl")
+        assert (turns.parent / f"{tid}.jsonl.orphan-1").read_bytes() == turns_then, tid
+        assert tid in after_written, tid
+        if tid in samples:  # its group was trained (not dropped for staleness)
+            new = [lp for t in read_jsonl(turns, Turn) for lp in t.completion_logprobs]
+            assert samples[tid].rollout_logprobs == new, tid
     # every group of the three batches consumed once, by its ids
     groups = [g for it in state["iterations"] for g in it["groups"]]
     assert len(groups) == len(set(groups)) == 6
-    # no run rolled out twice (one finished before the kill is kept), none trained twice
+    # no run rolled out twice in a batch, none trained twice, none lost
     for k in (1, 2, 3):
         ids = [
             t.trajectory_id for t in read_jsonl(out / f"iter-{k:03d}" / "graded.jsonl", Trajectory)
         ]
         assert len(ids) == len(set(ids)) == 4, k
     trained = [
-        s.episode_id
+        (k, s.episode_id)
         for k in (1, 2, 3)
         for s in read_jsonl(out / f"iter-{k:03d}" / "samples.jsonl", Sample)
     ]
-    episodes = sorted(set(trained))
+    steps_of: dict[str, set[int]] = {}
+    for k, e in trained:
+        steps_of.setdefault(e, set()).add(k)
+    assert all(len(v) == 1 for v in steps_of.values())  # each episode in one step only
     dropped = [g for it in state["iterations"] for g in it["dropped"]]
-    # each episode trained in one step only; dropped groups' episodes not at all
-    steps_of = {
-        e: {
-            k
-            for k in (1, 2, 3)
-            for s in read_jsonl(out / f"iter-{k:03d}" / "samples.jsonl", Sample)
-            if s.episode_id == e
-        }
-        for e in episodes
-    }
-    assert all(len(v) == 1 for v in steps_of.values())
-    assert len(episodes) == 12 - 2 * len(dropped)
+    assert len(steps_of) == 12 - 2 * len(dropped)  # the others all trained
 
 
 def test_inspect_shows_the_async_metrics(sync_and_k0: tuple[Path, Path, LoopResult]) -> None:

@@ -258,6 +258,8 @@ async def test_load_weights_while_requests_are_in_flight(
     results = await asyncio.gather(*running, *late)
     assert version == 1 and engine.policy_version == 1 and engine.stats.weight_loads == 1
     assert [len(r) for r in results] == [60] * 6
+    drained = engine.last_drain_s  # the swap's wait for the four calls' remaining tokens
+    assert drained is not None and drained > 0
     for i, steps in enumerate(results):
         ids = ids_of(steps)
         model = old if i < 4 else new  # in flight: old weights throughout; waited: new weights
@@ -271,6 +273,7 @@ async def test_load_weights_while_requests_are_in_flight(
     with pytest.raises(EngineError):
         await engine.load_weights(str(tmp_path / "missing"))
     assert engine.policy_version == 1
+    assert engine.last_drain_s is not None and engine.last_drain_s < drained  # nothing in flight
 
 
 @pytest.mark.asyncio

@@ -116,6 +116,7 @@ async def test_weight_sync_reaches_every_replica_before_any_call(
     assert len(completions(b)) == 0
     a.hold.set()
     assert await sync == 1 and engine.policy_version == 1
+    assert engine.last_drain_s is not None and engine.last_drain_s >= 0.4  # held that long
     await late
     await in_flight
     journal = [(url, path) for url, path in a.journal if path != "/v1/models"]

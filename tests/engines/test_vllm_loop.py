@@ -10,6 +10,7 @@ so that every iteration trains and so changes the weights the next one must be s
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,105 @@ def test_the_loop_runs_on_real_vllm_and_syncs_the_weights_every_iteration(tmp_pa
     with_start = _check(run / "eval-after" / "graded.jsonl", MODEL, tmp_path / "start")
     assert with_last["pearson"] >= 0.999 and with_last["max_abs_diff"] < 1e-3, with_last
     assert with_start["max_abs_diff"] > 10 * with_last["max_abs_diff"], with_start
+
+
+def _session_pids(sid: int) -> list[tuple[int, str]]:
+    """Live (not zombie) processes of session ``sid``, with their command lines."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found.append((int(stat.parent.name), cmdline.decode(errors="replace")))
+    return found
+
+
+def test_the_async_loop_ends_by_itself_when_its_vllm_server_dies(tmp_path: Path) -> None:
+    """The engine dies (its vLLM server and workers are SIGKILLed) while the trainer waits for
+    its first batch. The loop must not wait for the dead engine: the episodes that start after
+    the death end as proxy_error at once, the first step with a sample (batch 1 finished one
+    before the death) trains, its weight sync finds no live server, and the loop process exits
+    by itself with that reason, leaving no process behind. The test's timeout only guards it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from legorl.records import ENVIRONMENT_FAILURES, Trajectory
+
+    _need_bwrap()
+    run = tmp_path / "run"
+    args = [
+        "loop", "--engine", "vllm", "--engine-opt", f"python={vllm_python()}",
+        "--engine-opt", "max_model_len=4096", "--engine-opt", "relaunch=false",
+        "--model", str(MODEL), "--tasks-dir", str(TASKS), "--out", str(run),
+        "--iterations", "3", "--group-size", "2", "--tasks-per-iteration", "2",
+        "--eval-samples", "1", "--eval-limit", "1", "--max-turns", "2", "--max-tokens", "24",
+        "--concurrency", "2", "--timeout", "300", "--sandbox", "local",
+        "--async", "--max-staleness", "1", "drop_zero_variance_groups=false", "entropy_coef=0.01",
+    ]  # fmt: skip
+    stderr = tmp_path / "loop.stderr"
+    with open(stderr, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "legorl.cli.main", *args],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            cwd=ROOT,
+            env={**os.environ, "COLUMNS": "400", "NO_COLOR": "1"},
+            start_new_session=True,  # its sandboxes and its vLLM server are in its session
+        )
+    trajectories = run / "iter-001" / "trajectories.jsonl"
+    try:
+        # the death: once batch 1 has an episode the trainer can use (so step 1 trains)
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline and proc.poll() is None:
+            done = list(read_jsonl(trajectories, Trajectory)) if trajectories.exists() else []
+            if any(t.status not in ENVIRONMENT_FAILURES for t in done):
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, stderr.read_text()[-3000:]
+        guards = [
+            pid
+            for pid, cmd in _session_pids(proc.pid)
+            if cmd.startswith(f"{sys.executable}\0-c\0from legorl.engines.vllm_server")
+        ]
+        assert len(guards) == 1, _session_pids(proc.pid)
+        died = time.time()
+        os.killpg(guards[0], signal.SIGKILL)  # the server, its engine core and workers
+        rc = proc.wait(timeout=600)  # guards the test only: the loop must end by itself
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = stderr.read_text()
+    assert rc == 1, text[-3000:]
+    (line,) = [x for x in text.splitlines() if x.startswith("legorl loop: error:")]
+    found = re.search(r"iteration (\d): weight sync: .*reached no vLLM replica", line)
+    assert found, line
+    # it stopped at the first step that trained after the death (a step whose groups all
+    # failed has no sample and no sync): the steps before it finished untrained
+    state = json.loads((run / "state.json").read_text())
+    assert state["finished"] == int(found[1]) - 1 < 3 and state["policy_version"] == 0
+    assert not any(it["trained"] for it in state["iterations"])
+    # the episodes that ran after the death (no Turn of theirs written before it) failed as
+    # proxy_error; what was written before it is kept
+    late, kept = [], []
+    for batch in ("iter-001", "iter-002"):
+        path = run / batch / "trajectories.jsonl"
+        for t in read_jsonl(path, Trajectory) if path.exists() else []:
+            turns = run / batch / "turns" / f"{t.trajectory_id}.jsonl"
+            before = turns.exists() and turns.stat().st_mtime <= died
+            (kept if before else late).append(t)
+    assert late and all(t.status == "proxy_error" for t in late), [
+        (t.trajectory_id, t.status, t.evidence) for t in late
+    ]
+    assert any(t.status not in ENVIRONMENT_FAILURES for t in kept)
+    # no sandbox, vLLM process or guard of the loop's session is left
+    deadline = time.monotonic() + 30
+    while _session_pids(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _session_pids(proc.pid) == []

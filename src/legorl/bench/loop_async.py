@@ -148,12 +148,13 @@ class _Simulated:
         time.sleep(self.step_s)
         return TrainOutcome(trained=bool(samples))
 
-    async def reload(self, k: int, folder: Path, trained: bool) -> float:
+    async def reload(self, k: int, folder: Path, trained: bool) -> tuple[float, float]:
         t0 = time.monotonic()
         if trained:
             runner: Any = self
             runner.state.policy_version = await runner.core.load_weights(str(folder))
-        return time.monotonic() - t0
+        took = time.monotonic() - t0
+        return took, took  # the simulated sync's sleep, not a drain
 
 
 class _SyncSim(_Simulated, Runner):

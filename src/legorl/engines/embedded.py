@@ -57,6 +57,7 @@ import contextlib
 import queue
 import random
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -160,6 +161,7 @@ class _Load:
         self.loop = loop
         self.adapter = adapter  # None: the policy (full weights, or an adapter folder)
         self.future: asyncio.Future[int] = loop.create_future()
+        self.asked = time.monotonic()
 
 
 class _Stop:
@@ -185,6 +187,7 @@ class EmbeddedEngine:
         self.policy_version = 0
         self.policy_adapter: str | None = None
         self.adapter_versions: dict[str, int] = {}
+        self.last_drain_s: float | None = None  # the last load's wait for the calls in flight
         self._adapters: AdapterSlots | None = None
         self.stats = EmbeddedStats()
         self._model: Any = load_model(config.model_path, dtype=config.dtype, device=config.device)
@@ -673,6 +676,8 @@ class EmbeddedEngine:
         from legorl.engines.models import reload_weights
 
         loads, self._loads = self._loads, []
+        # the wait for the calls in flight (new ones were held back since the first load came)
+        self.last_drain_s = time.monotonic() - min(load.asked for load in loads)
         self._prefixes.clear()  # K/V computed by the old weights are wrong for the new ones
         self._prefix_tokens = 0
         for load in loads:

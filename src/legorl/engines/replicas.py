@@ -220,6 +220,7 @@ class Fleet:
         self._sticky: OrderedDict[str, int] = OrderedDict()
         self._loop_state: _LoopState | None = None
         self.events: list[str] = []  # one line per replica taken out or rejoined, latest last
+        self.last_drain_s: float | None = None  # the last sync's wait for the calls in flight
 
     # ---- per event loop ----------------------------------------------------------------------
 
@@ -434,7 +435,9 @@ class Fleet:
         async with state.lock:
             state.gate.open.clear()  # new calls wait here
             try:
+                t0 = time.monotonic()
                 await state.gate.idle.wait()  # calls in flight finish under the old version
+                self.last_drain_s = time.monotonic() - t0
                 step, commit = plan()
                 live = [s for s in self.slots if s.state == "up"]
                 done = await asyncio.gather(

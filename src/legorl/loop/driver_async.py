@@ -357,8 +357,8 @@ class AsyncRunner(Runner):
             except Exception as exc:  # the loop stops with the reason; the rollouts stop too
                 raise LoopError(f"iteration {k}: train: {type(exc).__name__}: {exc}") from exc
             phases["train"] = round(time.monotonic() - t1, 3)
-            drain = await self.reload(k, folder, outcome.trained)
-            phases["reload"] = round(drain, 3)
+            sync, drain = await self.reload(k, folder, outcome.trained)
+            phases["reload"] = round(sync, 3)
             now = time.monotonic()
             seconds = now - last
             busy = self.engine_busy()

@@ -440,10 +440,12 @@ class Runner:
 
     # ---- weights -----------------------------------------------------------------------------
 
-    async def reload(self, k: int, folder: Path, trained: bool) -> float:
+    async def reload(self, k: int, folder: Path, trained: bool) -> tuple[float, float]:
         """Sync a trained checkpoint into the engine (its calls in flight finish first: the
-        drain); returns the seconds it took."""
+        drain). Returns the seconds the sync took and those of its drain, as the engine
+        measured it (``last_drain_s``; an engine that does not say: the whole sync)."""
         t0 = time.monotonic()
+        drain: float | None = 0.0
         ckpt = folder / "checkpoint"
         if trained:
             from legorl.protocols import EngineError
@@ -452,12 +454,14 @@ class Runner:
                 version = await self.executor.load_weights(str(ckpt.resolve()))
             except (EngineError, NotImplementedError) as exc:
                 raise LoopError(f"iteration {k}: weight sync: {exc}") from None
+            drain = getattr(self.core.engine, "last_drain_s", None)
             self.state.checkpoint = str(ckpt.relative_to(self.out))
             self.state.policy_version = version
             self.log(f"iteration {k}: weights reloaded into the proxy: policy version {version}")
         elif ckpt.exists():  # the trainer saved unchanged weights: not a new policy
             shutil.rmtree(ckpt)
-        return time.monotonic() - t0
+        total = time.monotonic() - t0
+        return total, total if drain is None else drain
 
     def finish_iteration(self, result: Any) -> None:
         state = self.state
@@ -517,8 +521,8 @@ class Runner:
         signal = stages.groups_with_signal(graded)
         outcome = self._train(k, samples, folder, signal)
         phases["train"] = round(time.monotonic() - t2, 3)
-        drain = await self.reload(k, folder, outcome.trained)
-        phases["reload"] = round(drain, 3)
+        sync, drain = await self.reload(k, folder, outcome.trained)
+        phases["reload"] = round(sync, 3)
         seconds = time.monotonic() - t0
         result = stages.iteration_result(
             iteration=k,
