@@ -454,7 +454,9 @@ class Runner:
                 version = await self.executor.load_weights(str(ckpt.resolve()))
             except (EngineError, NotImplementedError) as exc:
                 raise LoopError(f"iteration {k}: weight sync: {exc}") from None
-            drain = getattr(self.core.engine, "last_drain_s", None)
+            # On Ray each node's engine drains on its own: the whole sync stands for it.
+            core = self.core
+            drain = getattr(core.engine, "last_drain_s", None) if core is not None else None
             self.state.checkpoint = str(ckpt.relative_to(self.out))
             self.state.policy_version = version
             self.log(f"iteration {k}: weights reloaded into the proxy: policy version {version}")
