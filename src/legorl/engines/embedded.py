@@ -66,6 +66,7 @@ from legorl.engines.adapters import (
     BASE,
     AdapterError,
     AdapterSlots,
+    base_gone,
     check_base,
     is_adapter,
     read_adapter,
@@ -186,6 +187,7 @@ class EmbeddedEngine:
         self.policy_adapter: str | None = None
         self.adapter_versions: dict[str, int] = {}
         self._adapters: AdapterSlots | None = None
+        self.serves_base = True  # the base model's own weights (no full reload since)
         self.stats = EmbeddedStats()
         self._model: Any = load_model(config.model_path, dtype=config.dtype, device=config.device)
         self._check_cache_layout()
@@ -277,7 +279,9 @@ class EmbeddedEngine:
             )
         if min(ids) < 0 or max(ids) >= self._vocab:
             raise EngineRequestError(f"prompt token ids must be in 0..{self._vocab - 1}")
-        if request.adapter is not None and request.adapter not in self.adapter_versions:
+        if request.adapter == BASE and not self.serves_base:
+            raise EngineRequestError(base_gone(self.policy_version))
+        if request.adapter not in (None, BASE) and request.adapter not in self.adapter_versions:
             loaded = ", ".join(sorted(self.adapter_versions)) or "none"
             raise EngineRequestError(
                 f"adapter {request.adapter!r} is not loaded on this engine (loaded: {loaded})"
@@ -687,6 +691,7 @@ class EmbeddedEngine:
                     self.adapter_versions[POLICY_ADAPTER] = result = self.policy_version
                 else:
                     reload_weights(self._model, load.path)
+                    self.serves_base = False
                     if self.policy_adapter is not None and self._adapters is not None:
                         self._adapters.remove(self.policy_adapter)  # full weights: no adapter
                         self.adapter_versions.pop(self.policy_adapter, None)
