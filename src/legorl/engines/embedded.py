@@ -173,6 +173,14 @@ class _Prefix:
     kv: KV
 
 
+def _prefix_key(request: GenerationRequest) -> str | None:
+    """The prefix cache's key: the request's ``cache_key`` under its adapter (K/V computed
+    through one adapter are wrong for another, or for the base, on the same key)."""
+    if request.cache_key is None:
+        return None
+    return f"{request.adapter or ''}\x00{request.cache_key}"
+
+
 class EmbeddedEngine:
     """Transformers model in a worker thread; see the module docstring."""
 
@@ -404,7 +412,7 @@ class EmbeddedEngine:
             seq.generator = torch.Generator(device=self._device)
             seed = req.seed if req.seed is not None else random.SystemRandom().getrandbits(63)
             seq.generator.manual_seed(seed)
-        key = req.cache_key
+        key = _prefix_key(req)
         cached = self._prefixes.pop(key, None) if key is not None else None
         self._begin_routing(seq)
         if cached is None:
@@ -609,7 +617,7 @@ class EmbeddedEngine:
 
     def _finish(self, seq: _Sequence, kv: KV | None) -> None:
         seq.done = True
-        key = seq.request.cache_key
+        key = _prefix_key(seq.request)
         if key is None or kv is None or seq.n_cached == 0:
             return
         # contiguous: a view into a grown buffer would keep its spare room alive in the LRU
