@@ -131,6 +131,14 @@ def loop(
             "given); its rank and the rest as overrides (lora_rank=4 lora_alpha=16).",
         ),
     ] = _D.lora,
+    eval_base: Annotated[
+        bool,
+        typer.Option(
+            "--eval-base",
+            help="With --lora: the last held-out evaluation also runs on the base model, in "
+            "the same engine beside the adapter (eval-base/).",
+        ),
+    ] = _D.eval_base,
     algorithm: Annotated[
         str | None, typer.Option(help=f"{choices('algorithm')} (default: the trainer's).")
     ] = _D.algorithm,
@@ -221,6 +229,7 @@ def loop(
         lr_groups=lr_groups,
         scale_only=scale_only,
         lora=lora,
+        eval_base=eval_base,
         algorithm=algorithm,
         train_overrides=list(overrides or []),
         timeout=timeout,
@@ -367,6 +376,15 @@ def summary(result: LoopResult) -> None:
         line += f" (policy version {before.policy_version if before else 0} → "
         line += f"{after.policy_version})"
     console.print(line, markup=False)
+    from legorl.protocols import BASE_ADAPTER
+
+    base = state.eval_at(state.finished, BASE_ADAPTER) if state.finished else None
+    if base is not None and after is not None:
+        console.print(
+            f"held-out success after iteration {state.finished}, one engine: base model "
+            f"{_pct(base.success)}, adapter {_pct(after.success)}",
+            markup=False,
+        )
     corr = [i.rollout_trainer_pearson for i in state.iterations]
     known = [c for c in corr if c is not None]
     span = f"{min(known):.4f}–{max(known):.4f}" if known else "n/a"

@@ -122,6 +122,9 @@ class LoopConfig:
     # train a LoRA adapter on every linear layer instead (train/lora.py; the final norm, the
     # temperature-like factor, stays frozen); rank and the rest as train overrides (lora_rank=4)
     lora: bool = False
+    # with lora: the last held-out evaluation also runs on the base model, its sessions naming
+    # BASE_ADAPTER in the same engine as the adapter (eval-base/, the state's base evaluation)
+    eval_base: bool = False
     algorithm: str | None = None  # None: the trainer's default
     train_overrides: list[str] = field(default_factory=list)  # TrainConfig key=value
     timeout: float = 300.0  # seconds per harness run
@@ -152,6 +155,20 @@ class LoopConfig:
         self.tasks_dir = checkout_path(self.tasks_dir)
         if self.lora and self.engine == "vllm":  # a launched server then loads adapters
             self.engine_options = {"lora": True, **self.engine_options}
+            need = self.adapter_versions_in_flight
+            if need > 1:  # episodes finish on the adapter version they started on
+                default = {"keep_versions": need, "max_loras": max(need, 2)}
+                self.engine_options = {**default, **self.engine_options}
+
+    @property
+    def adapter_versions_in_flight(self) -> int:
+        """Policy adapter versions an episode may still sample with: K + 1 with ``--async
+        --max-staleness K`` (the trainer takes a group at most K steps after it was admitted,
+        so an episode started under version v ends before v + K + 1 is loaded), else 1."""
+        k = self.max_staleness
+        if not self.use_async or isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            return 1
+        return k + 1
 
     def validate(self) -> None:
         """Raise ``LoopConfigError`` naming the first bad field."""
@@ -236,6 +253,24 @@ class LoopConfig:
                 "server at base_url is not synced per node; leave base_url out (each node "
                 "launches its own) or use --engine embedded",
             )
+        if self.eval_base and not self.lora:
+            raise LoopConfigError(
+                "eval_base",
+                "compares the base model with the trained adapter in one engine: it needs "
+                "--lora (full-weight training replaces the base)",
+            )
+        if self.lora and self.engine == "vllm" and self.adapter_versions_in_flight > 1:
+            need, opts = self.adapter_versions_in_flight, self.engine_options
+            for name in ("keep_versions", "max_loras"):
+                value = opts.get(name)
+                if not isinstance(value, int) or isinstance(value, bool) or value < need:
+                    raise LoopConfigError(
+                        "engine_options",
+                        f"{name}={value!r} cannot hold the {need} adapter versions episodes "
+                        f"sample with at --max-staleness {self.max_staleness} (K + 1: an "
+                        f"episode finishes on the version it started on): give {name} >= "
+                        f"{need}, or leave it unset",
+                    )
         if self.engine == "vllm" and self.train_config().router_replay == "r3":
             raise LoopConfigError(
                 "train",

@@ -40,9 +40,14 @@ class GenerationRequest:
     # so an engine may deliver it in one piece instead of token by token (vllm: one JSON answer
     # instead of server-sent events). The tokens and log-probs are the same either way.
     stream: bool = True
-    # The LoRA adapter to sample with, by the name it was loaded under (``ServesAdapters``);
-    # None: the engine's policy (its policy adapter if it has one, else its weights).
+    # The LoRA adapter to sample with, by the name it was loaded under (``ServesAdapters``;
+    # ``BASE_ADAPTER``: none, the base model); None: the engine's policy (its policy adapter if
+    # it has one, else its weights).
     adapter: str | None = None
+    # The version of that adapter to sample with, when the engine still holds it (an episode
+    # finishing on the version it started on: ``Fleet.keep_versions``); None, or a version it
+    # no longer holds: the current one.
+    adapter_version: int | None = None
     # Filled with the MoE routing of every token the engine computes for this call, by an
     # engine that records it (embedded); left empty by the others (``legorl.routing``).
     routing: RoutingCapture | None = None
@@ -137,6 +142,10 @@ class ServesAdapters(Protocol):
 
 
 POLICY_ADAPTER = "policy"
+#: A request (a session) naming this adapter samples the base model, without any adapter (an
+#: A/B evaluation of the base against the policy's adapter in one engine). Refused once full
+#: weights have been reloaded: the base is gone then.
+BASE_ADAPTER = "__base__"
 
 
 # ---- sandboxes ---------------------------------------------------------------------------------
@@ -348,6 +357,9 @@ class RolloutWork:
     timeout: float = 300.0  # seconds per harness run
     concurrency: int = 4  # runs at once, over the whole work
     run_id: str  # names the work's sandboxes
+    # the LoRA adapter its sessions sample with (``GenerationRequest.adapter``; BASE_ADAPTER:
+    # the base model); None: the policy
+    adapter: str | None = None
 
 
 @dataclass(slots=True, kw_only=True)

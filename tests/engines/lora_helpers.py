@@ -20,6 +20,7 @@ async def sample(
     *,
     key: str | None = None,
     adapter: str | None = None,
+    adapter_version: int | None = None,
     seed: int | None = None,
 ) -> tuple[list[int], list[float]]:
     """One completion of ``prompt`` at T = 1: its token ids and the served log-probs."""
@@ -30,6 +31,7 @@ async def sample(
         seed=seed,
         cache_key=key,
         adapter=adapter,
+        adapter_version=adapter_version,
     )
     ids: list[int] = []
     lps: list[float] = []

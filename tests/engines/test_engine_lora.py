@@ -16,7 +16,7 @@ from lora_helpers import episodes, mean_gap, recompute, sample, train_adapter
 
 from legorl.engines.embedded import EmbeddedConfig, EmbeddedEngine
 from legorl.engines.models import load_tokenizer
-from legorl.protocols import EngineRequestError
+from legorl.protocols import BASE_ADAPTER, EngineRequestError
 from legorl.proxy.core import ProxyConfig, ProxyCore
 from legorl.records import Turn, from_dict, read_jsonl, to_json
 
@@ -93,6 +93,8 @@ async def test_each_swap_serves_the_new_adapter_even_on_a_cached_prefix(
         # full weights after adapters: the policy is the full model again, exactly
         assert await engine.load_weights(str(MODEL)) == 5
         assert engine.policy_adapter is None and engine.adapter_versions == {}
+        with pytest.raises(EngineRequestError, match=r"'__base__' .* full weights were loaded"):
+            await sample(engine, prompt, 4, adapter=BASE_ADAPTER)  # the base may differ now
         ids, served = await sample(engine, prompt, 8, seed=8)
         assert mean_gap(served, recompute(MODEL, prompt, ids)) < 1e-3
     finally:
@@ -107,7 +109,12 @@ async def test_several_adapters_share_one_base_and_one_batch(adapters: list[Path
         assert await engine.load_adapter("early", str(adapters[0])) == 2  # a new version
         assert await engine.load_adapter("mid", str(adapters[1])) == 1
         prompt = ids_of("Return the total of the cart.")
-        runs = [(None, adapters[2]), ("early", adapters[0]), ("mid", adapters[1])] * 2
+        runs = [
+            (None, adapters[2]),
+            ("early", adapters[0]),
+            ("mid", adapters[1]),
+            (BASE_ADAPTER, MODEL),  # the base model, no adapter, in the same batch
+        ] * 2
         results = await asyncio.gather(
             *(sample(engine, prompt, 12, adapter=name, seed=i) for i, (name, _) in enumerate(runs))
         )

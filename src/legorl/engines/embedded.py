@@ -67,6 +67,7 @@ from legorl.engines.adapters import (
     BASE,
     AdapterError,
     AdapterSlots,
+    base_gone,
     check_base,
     is_adapter,
     read_adapter,
@@ -174,6 +175,14 @@ class _Prefix:
     kv: KV
 
 
+def _prefix_key(request: GenerationRequest) -> str | None:
+    """The prefix cache's key: the request's ``cache_key`` under its adapter (K/V computed
+    through one adapter are wrong for another, or for the base, on the same key)."""
+    if request.cache_key is None:
+        return None
+    return f"{request.adapter or ''}\x00{request.cache_key}"
+
+
 class EmbeddedEngine:
     """Transformers model in a worker thread; see the module docstring."""
 
@@ -189,6 +198,7 @@ class EmbeddedEngine:
         self.adapter_versions: dict[str, int] = {}
         self.last_drain_s: float | None = None  # the last load's wait for the calls in flight
         self._adapters: AdapterSlots | None = None
+        self.serves_base = True  # the base model's own weights (no full reload since)
         self.stats = EmbeddedStats()
         self._model: Any = load_model(config.model_path, dtype=config.dtype, device=config.device)
         self._check_cache_layout()
@@ -280,7 +290,9 @@ class EmbeddedEngine:
             )
         if min(ids) < 0 or max(ids) >= self._vocab:
             raise EngineRequestError(f"prompt token ids must be in 0..{self._vocab - 1}")
-        if request.adapter is not None and request.adapter not in self.adapter_versions:
+        if request.adapter == BASE and not self.serves_base:
+            raise EngineRequestError(base_gone(self.policy_version))
+        if request.adapter not in (None, BASE) and request.adapter not in self.adapter_versions:
             loaded = ", ".join(sorted(self.adapter_versions)) or "none"
             raise EngineRequestError(
                 f"adapter {request.adapter!r} is not loaded on this engine (loaded: {loaded})"
@@ -403,7 +415,7 @@ class EmbeddedEngine:
             seq.generator = torch.Generator(device=self._device)
             seed = req.seed if req.seed is not None else random.SystemRandom().getrandbits(63)
             seq.generator.manual_seed(seed)
-        key = req.cache_key
+        key = _prefix_key(req)
         cached = self._prefixes.pop(key, None) if key is not None else None
         self._begin_routing(seq)
         if cached is None:
@@ -608,7 +620,7 @@ class EmbeddedEngine:
 
     def _finish(self, seq: _Sequence, kv: KV | None) -> None:
         seq.done = True
-        key = seq.request.cache_key
+        key = _prefix_key(seq.request)
         if key is None or kv is None or seq.n_cached == 0:
             return
         # contiguous: a view into a grown buffer would keep its spare room alive in the LRU
@@ -692,6 +704,7 @@ class EmbeddedEngine:
                     self.adapter_versions[POLICY_ADAPTER] = result = self.policy_version
                 else:
                     reload_weights(self._model, load.path)
+                    self.serves_base = False
                     if self.policy_adapter is not None and self._adapters is not None:
                         self._adapters.remove(self.policy_adapter)  # full weights: no adapter
                         self.adapter_versions.pop(self.policy_adapter, None)

@@ -15,7 +15,11 @@ whole fleet, and failover that keeps an episode going with its tokens exact.
 * **Adapters** (``load_adapter``, ``load_weights`` of an adapter folder): the same sync, each
   live replica loading the adapter's new version (``Replica.load_adapter``) instead of a
   checkpoint; a request's ``adapter`` (the policy's adapter when it names none) is served under
-  the name the replica serving it loaded. When every replica refuses the adapter as the
+  the name the replica serving it loaded. With ``keep_versions`` K + 1 > 1 each replica keeps
+  the last K + 1 versions of every adapter loaded (``held_versions``), and a request that names
+  one of them (``adapter_version``: the proxy pins a session to the version its first call
+  sampled with) is served by it: an episode started under an older adapter finishes on it in a
+  loop K steps off-policy. vLLM's ``max_loras`` must cover them. When every replica refuses the adapter as the
   request's fault (``EngineRequestError``: no runtime LoRA loading, an adapter it cannot take),
   the load fails with that error and nothing changes; a replica that refuses what others took
   is taken out of rotation.
@@ -90,9 +94,10 @@ class Replica(Protocol):
 
     async def reset_cache(self) -> None: ...
 
-    async def load_adapter(self, name: str, version: int, path: str) -> None:
+    async def load_adapter(self, name: str, version: int, path: str, keep: int = 1) -> None:
         """Load ``path`` as version ``version`` of adapter ``name``; the calls for ``name`` it
-        serves from then on use it, and the version before is dropped."""
+        serves from then on use it (those naming a version it still holds: that one), and it
+        holds the last ``keep`` versions of ``name``, dropping older ones."""
         ...
 
     async def drop_adapter(self, name: str) -> None:
@@ -203,6 +208,7 @@ class Fleet:
         health_timeout_s: float = 10.0,
         relaunch: bool = True,
         can_reload: bool = True,
+        keep_versions: int = 1,
     ) -> None:
         self.slots = [
             Slot(i, r, state="up" if ok else "down", why="" if ok else "did not answer at start")
@@ -217,6 +223,10 @@ class Fleet:
         self.policy_adapter: str | None = None  # the adapter calls without one get
         self.adapter_versions: dict[str, int] = {}  # loaded adapter -> its version
         self._adapter_paths: dict[str, str] = {}  # loaded adapter -> its version's folder
+        self.keep_versions = keep_versions  # versions of each adapter every replica holds
+        # loaded adapter -> the versions replicas hold (newest last), and their folders
+        self.held_versions: dict[str, list[int]] = {}
+        self._held_paths: dict[str, dict[int, str]] = {}
         self._sticky: OrderedDict[str, int] = OrderedDict()
         self._loop_state: _LoopState | None = None
         self.events: list[str] = []  # one line per replica taken out or rejoined, latest last
@@ -388,6 +398,8 @@ class Fleet:
                 if dropped is not None:
                     self.adapter_versions.pop(dropped, None)
                     self._adapter_paths.pop(dropped, None)
+                    self.held_versions.pop(dropped, None)
+                    self._held_paths.pop(dropped, None)
                     self.policy_adapter = None
                 for slot in synced:
                     slot.version = self.policy_version
@@ -409,11 +421,16 @@ class Fleet:
             version = self.policy_version + 1 if policy else self.adapter_versions.get(name, 0) + 1
 
             async def step(replica: Replica) -> None:
-                await replica.load_adapter(name, version, path)
+                await replica.load_adapter(name, version, path, self.keep_versions)
 
             def commit(synced: list[Slot]) -> None:
                 self.adapter_versions[name] = version
                 self._adapter_paths[name] = str(path)
+                held = [*self.held_versions.get(name, []), version][-self.keep_versions :]
+                paths = self._held_paths.setdefault(name, {})
+                paths[version] = str(path)
+                self.held_versions[name] = held
+                self._held_paths[name] = {v: paths[v] for v in held}
                 if policy:
                     self.policy_version, self.policy_adapter = version, name
                     for slot in synced:
@@ -521,10 +538,12 @@ class Fleet:
                         await slot.replica.reload(self._weights)
                     await slot.replica.reset_cache()
                 # what it may still hold from before it went out is dropped, then the current
-                # version of each adapter loaded (from its folder again)
+                # versions of each adapter it holds loaded (from their folders again)
                 await slot.replica.forget_adapters()
-                for name, version in self.adapter_versions.items():
-                    await slot.replica.load_adapter(name, version, self._adapter_paths[name])
+                for name in self.adapter_versions:
+                    for v in self.held_versions[name]:
+                        path = self._held_paths[name][v]
+                        await slot.replica.load_adapter(name, v, path, self.keep_versions)
             except Exception as exc:  # it stays out, and says why
                 slot.state, slot.why = "down", f"could not rejoin: {exc}"
                 self._log(f"{self.label} replica {slot.replica.url}: {slot.why}")

@@ -58,9 +58,11 @@ every step: vLLM #33791), and no prefix-cache block computed under an earlier ve
 reused for it (a same-name reload can: vLLM #42125), so no prefix-cache reset is needed.
 Requests then name that version as their ``model``. A replica that rejoins loads the current
 versions from their folders again: keep them while one may rejoin. An adapter trained on
-another base than the served model is refused, naming both; ``max_loras`` must cover the
-versions in flight at once (1 per adapter when each swap drains, as here; K + 1 for a loop K
-steps off-policy).
+another base than the served model is refused, naming both. With ``keep_versions`` N > 1 each
+replica keeps the last N versions of every adapter loaded and a request naming one of them
+(``adapter_version``: the proxy pins an episode to its first call's version) samples with it;
+``max_loras`` must be at least N (refused otherwise; the asynchronous loop sets N = K + 1 for
+``--max-staleness K``). A request naming ``BASE_ADAPTER`` samples the served base model.
 
 Without ``base_url`` legorl launches the server itself and stops it on ``close``
 (``engines/vllm_server.py``).
@@ -92,11 +94,18 @@ from typing import Any, ClassVar, Literal
 import httpx
 import orjson
 
-from legorl.engines.adapters import AdapterError, check_base, is_adapter, read_adapter
+from legorl.engines.adapters import (
+    AdapterError,
+    base_gone,
+    check_base,
+    is_adapter,
+    read_adapter,
+)
 from legorl.engines.http1 import Http1Pool, supports
 from legorl.engines.replicas import Fleet, ReplicaFailure
 from legorl.engines.vllm_server import VllmServer
 from legorl.protocols import (
+    BASE_ADAPTER,
     POLICY_ADAPTER,
     ConfigError,
     ContextLengthError,
@@ -136,6 +145,10 @@ class VllmConfig:
     # LoRA adapters at run time (see the module docstring); the two limits are vLLM's own
     lora: bool = False
     max_loras: int = 2  # adapters (versions) one batch may mix
+    # versions of each adapter kept loaded, the last ones, so that a request (an episode) that
+    # names an earlier one finishes on it (engines/replicas.py); K + 1 for a loop K steps
+    # off-policy, at most max_loras
+    keep_versions: int = 1
     max_lora_rank: int = 16
     server_args: str = ""  # more vLLM flags, split like a shell line
     startup_timeout_s: float = 600.0
@@ -167,6 +180,7 @@ class VllmReplica:
         self._pool: Http1Pool | None = None
         self._closed = False
         self.loras: dict[str, str] = {}  # adapter -> the vLLM LoRA name of its version here
+        self.held: dict[str, dict[int, str]] = {}  # adapter -> version -> LoRA name, held here
 
     # ---- start-up (blocking) ------------------------------------------------------------------
 
@@ -245,7 +259,8 @@ class VllmReplica:
         body = _body(request, self.model or "", self.max_context or 0, self.config.stream)
         # the adapter's version on this replica (the policy's when the request names none);
         # read at the call, after the fleet's gate: a swap that held it back changed the name
-        lora = self.loras.get(request.adapter or POLICY_ADAPTER)
+        name = request.adapter or POLICY_ADAPTER
+        lora = self.held.get(name, {}).get(request.adapter_version or 0) or self.loras.get(name)
         if lora is not None:
             body["model"] = lora
         client, pool = self._clients()
@@ -325,21 +340,25 @@ class VllmReplica:
     async def reset_cache(self) -> None:
         await self._post("/reset_prefix_cache", None)
 
-    async def load_adapter(self, name: str, version: int, path: str) -> None:
+    async def load_adapter(self, name: str, version: int, path: str, keep: int = 1) -> None:
         lora_name = f"{name}-v{version}"
         await self._post_lora("/v1/load_lora_adapter", {"lora_name": lora_name, "lora_path": path})
-        old, self.loras[name] = self.loras.get(name), lora_name
-        if old is not None and old != lora_name:
-            await self._unload_lora(old)
+        self.loras[name] = lora_name
+        held = self.held.setdefault(name, {})
+        held[version] = lora_name
+        for old in sorted(held)[:-keep]:  # older than the last ``keep``: no request names them
+            await self._unload_lora(held.pop(old))
 
     async def drop_adapter(self, name: str) -> None:
-        old = self.loras.pop(name, None)
-        if old is not None:
-            await self._unload_lora(old)
+        self.loras.pop(name, None)
+        for lora_name in self.held.pop(name, {}).values():
+            await self._unload_lora(lora_name)
 
     async def forget_adapters(self) -> None:
-        names, self.loras = list(self.loras.values()), {}
-        for lora_name in names:  # a relaunched server holds none of them: no answer is fine
+        names = {n for held in self.held.values() for n in held.values()}
+        names |= set(self.loras.values())
+        self.loras, self.held = {}, {}
+        for lora_name in sorted(names):  # a relaunched server holds none of them: no answer is fine
             await self._unload_lora(lora_name)
 
     async def _post_lora(self, path: str, body: Any) -> None:
@@ -431,6 +450,14 @@ class VllmEngine(Fleet):
             )
         if config.replicas < 1:
             raise ConfigError(f"replicas: must be >= 1, got {config.replicas}")
+        if config.keep_versions < 1:
+            raise ConfigError(f"keep_versions: must be >= 1, got {config.keep_versions}")
+        if config.lora and config.keep_versions > config.max_loras:
+            raise ConfigError(
+                f"max_loras={config.max_loras} is fewer than the keep_versions="
+                f"{config.keep_versions} adapter versions requests may sample with at once: "
+                f"give max_loras >= {config.keep_versions}"
+            )
         wanted = len(urls) if urls else config.replicas
         least = wanted if config.min_replicas is None else config.min_replicas
         if not 1 <= least <= wanted:
@@ -465,6 +492,7 @@ class VllmEngine(Fleet):
             health_timeout_s=config.health_timeout_s,
             relaunch=config.relaunch,
             can_reload=config.weight_reload == "collective_rpc",
+            keep_versions=config.keep_versions,
         )
         self.replicas = replicas
 
@@ -536,7 +564,9 @@ class VllmEngine(Fleet):
             raise ContextLengthError(len(prompt), self.max_context)
         self._check_logprob_semantics(request)
         adapter = request.adapter
-        if adapter is not None and adapter not in self.adapter_versions:
+        if adapter == BASE_ADAPTER and self._weights is not None:
+            raise EngineRequestError(base_gone(self.policy_version))
+        if adapter not in (None, BASE_ADAPTER) and adapter not in self.adapter_versions:
             loaded = ", ".join(sorted(self.adapter_versions)) or "none"
             raise EngineRequestError(f"adapter {adapter!r} is not loaded (loaded: {loaded})")
 

@@ -54,7 +54,7 @@ class InProcessExecutor:
         ctx = RunContext(
             harness=make_harness(work.harness, **work.harness_options),
             backend=self.backend(work.sandbox, work.sandbox_options),
-            proxy=core_endpoint(self.core, self.url, folder / "turns"),
+            proxy=core_endpoint(self.core, self.url, folder / "turns", adapter=work.adapter),
             model=work.model,
             tasks_dir=Path(work.tasks_dir),
             timeout=work.timeout,

@@ -634,6 +634,11 @@ class RayExecutor:
 
     async def rollout(self, work: Any) -> AsyncIterator[Trajectory]:
         """A ``RolloutWork`` on the cluster; Turns land in ``{work.folder}/turns``."""
+        if work.adapter is not None:  # each node's proxy opens its sessions on the policy
+            raise ExecutorError(
+                f"adapter {work.adapter!r}: the Ray executor's sessions sample with the policy "
+                "only; run an evaluation on a named adapter in-process"
+            )
         if self._serving:  # on the workers already serving the policy
             if (work.harness, work.sandbox) != (self.setup.harness, self.setup.sandbox):
                 raise ExecutorError(

@@ -34,6 +34,7 @@ from legorl.loop.state import (
     write_plot,
 )
 from legorl.loop_config import LoopConfig, LoopConfigError
+from legorl.protocols import BASE_ADAPTER as BASE
 from legorl.protocols import ExecutorError, RolloutWork, SandboxError
 from legorl.records import Trajectory
 
@@ -110,7 +111,11 @@ def run_loop(
     else:
         state = LoopState(config=config.to_dict())
     resumed_from = state.finished
-    done = state.finished >= config.iterations and state.eval_at(state.finished) is not None
+    done = (
+        state.finished >= config.iterations
+        and state.eval_at(state.finished) is not None
+        and (not config.eval_base or state.eval_at(state.finished, BASE) is not None)
+    )
     if done:
         say(f"{out}: all {state.finished} iteration(s) finished; nothing to run")
     else:
@@ -217,6 +222,9 @@ class Runner:
                 await self.train_iterations()
                 if state.eval_at(state.finished) is None:
                     await self._evaluate(state.finished, self.out / "eval-after")
+                if c.eval_base and state.finished and state.eval_at(state.finished, BASE) is None:
+                    # the same seeded held-out runs on the base model, beside the adapter
+                    await self._evaluate(state.finished, self.out / "eval-base", adapter=BASE)
             except ExecutorError as exc:  # e.g. every node of the cluster gone
                 where = f"--ray {c.ray}" if c.ray is not None else f"executor {self.executor.name}"
                 raise LoopError(f"{where}: {exc}") from None
@@ -380,7 +388,9 @@ class Runner:
 
     # ---- held-out evaluation ---------------------------------------------------------------
 
-    async def _evaluate(self, step: int, folder: Path) -> None:
+    async def _evaluate(self, step: int, folder: Path, adapter: str | None = None) -> None:
+        """The held-out evaluation after ``step`` iterations into ``folder``: of the policy, or
+        with every session on ``adapter`` (``BASE_ADAPTER``: the base model)."""
         from legorl.rollout import plan_runs
 
         c, state = self.config, self.state
@@ -388,13 +398,16 @@ class Runner:
         if marker.is_file():
             earlier = json.loads(marker.read_text()).get("step")
             if earlier != step:  # an evaluation after fewer iterations: kept aside
-                aside = folder.with_name(f"eval-at-{int(earlier):03d}")
+                stem = "eval" if adapter is None else folder.name
+                aside = folder.with_name(f"{stem}-at-{int(earlier):03d}")
                 shutil.rmtree(aside, ignore_errors=True)
                 folder.rename(aside)
         folder.mkdir(parents=True, exist_ok=True)
-        version = self.state.policy_version
+        version = self.state.policy_version if adapter is None else 0
         marker.write_text(json.dumps({"step": step, "policy_version": version}) + "\n")
         what = "before the first iteration" if step == 0 else f"after iteration {step}"
+        if adapter == BASE:
+            what += ", on the base model"
         tasks = self.splits["heldout"][: c.eval_limit]
         self.log(
             f"held-out evaluation {what}: {len(tasks)} task(s) × {c.eval_samples} seeded "
@@ -412,11 +425,13 @@ class Runner:
             ]
             work = stages.rollout_work(c, runs, folder, self.served_name)
             work.harness_options = stages.harness_options(c, seed=c.seed + k)
+            work.adapter = adapter
             works.append(work)
         graded, _ = await self._rollout_and_grade(folder.name, folder, works)
         result = eval_result(step, version, graded, time.monotonic() - t0)
+        result.adapter = adapter
         marker.write_text(json.dumps({**dataclasses.asdict(result), "success": result.success}))
-        state.evals = [e for e in state.evals if e.step != step] + [result]
+        state.evals = [e for e in state.evals if (e.step, e.adapter) != (step, adapter)] + [result]
         self.save()
         shown = "n/a" if result.success is None else f"{result.success:.1%}"
         self.log(

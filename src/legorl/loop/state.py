@@ -26,15 +26,9 @@ EVAL_FILE = "eval.json"
 
 #: Options that may change between a run and its continuation; the others must not.
 _MAY_CHANGE = {
-    "out",
-    "iterations",
-    "sandbox",
-    "concurrency",
-    "timeout",
-    "device",
-    "engine_options",
-    "ray",
-}
+    "out", "iterations", "sandbox", "concurrency", "timeout", "device", "engine_options",
+    "ray", "eval_base",
+}  # fmt: skip
 _PATHS = {"model", "tasks_dir"}
 
 Log = Callable[[str], None]
@@ -62,6 +56,9 @@ class EvalResult:
     hack_flags: int  # runs with at least one hack flag
     seconds: float
     finished_at: float = 0.0  # Unix time
+    # the adapter its sessions sampled with: None, the policy; BASE_ADAPTER, the base model
+    # beside the policy's adapter in the same engine (--eval-base)
+    adapter: str | None = None
 
     @property
     def success(self) -> float | None:
@@ -113,8 +110,9 @@ class LoopState:
     evals: list[EvalResult] = field(default_factory=list)
     iterations: list[IterationResult] = field(default_factory=list)
 
-    def eval_at(self, step: int) -> EvalResult | None:
-        return next((e for e in self.evals if e.step == step), None)
+    def eval_at(self, step: int, adapter: str | None = None) -> EvalResult | None:
+        """The held-out evaluation after ``step`` iterations (of the policy, or of ``adapter``)."""
+        return next((e for e in self.evals if e.step == step and e.adapter == adapter), None)
 
     def save(self, path: Path) -> None:
         atomic_write(path, (json.dumps(dataclasses.asdict(self), indent=2) + "\n").encode())
@@ -197,7 +195,9 @@ def loop_metrics(state: LoopState) -> list[Metric]:
     """The loop's Metric records (source ``loop``): per iteration, and per held-out evaluation."""
     out: list[Metric] = []
     for e in sorted(state.evals, key=lambda e: e.step):
+        tail = "" if e.adapter is None else "_base"
         for name, value in (("heldout_success", e.success), ("heldout_crashes", e.crashes)):
+            name += tail
             out.append(
                 Metric(
                     step=e.step,
@@ -275,7 +275,7 @@ def write_plot(state: LoopState, path: Path) -> bool:
     ax.set_ylim(-0.05, 1.05)
     ax.legend(loc="best", fontsize="small")
     ax = axes[1]
-    evals = sorted(state.evals, key=lambda e: e.step)
+    evals = sorted((e for e in state.evals if e.adapter is None), key=lambda e: e.step)
     ax.plot(
         [e.step for e in evals],
         [nan if e.success is None else e.success for e in evals],

@@ -54,6 +54,7 @@ from typing import Any
 import orjson
 
 from legorl.protocols import (
+    BASE_ADAPTER,
     ContextLengthError,
     Engine,
     EngineError,
@@ -575,6 +576,7 @@ class ProxyCore:
             # whole; with stop strings the stream is cut where one appears, token by token.
             stream=req.stream or bool(req.stop),
             adapter=session.adapter,
+            adapter_version=session.pinned[1] if session.pinned is not None else None,
             routing=RoutingCapture() if self.out is not None else None,
         )
         parser = OutputParser(wire.tool_call_id)
@@ -599,7 +601,12 @@ class ProxyCore:
                         # A weight swap lets running requests finish and holds queued ones, so
                         # the version at the first token is the one that sampled them all.
                         version = self.engine.policy_version
-                        adapter = self._adapter_of(session)
+                        adapter = self._adapter_of(session, first_token=True)
+                        if adapter is not None and adapter[0] in (
+                            self._policy_adapter(),
+                            BASE_ADAPTER,
+                        ):  # a pinned policy adapter: its version; the base: version 0
+                            version = adapter[1]
                     ids.extend(s.token_id for s in chunk)
                     logprobs.extend(s.logprob for s in chunk)
                     text = stops.push(detok.push([s.token_id for s in chunk]))
@@ -657,14 +664,32 @@ class ProxyCore:
             else:
                 self.stats["cancelled"] += 1
 
-    def _adapter_of(self, session: Session) -> tuple[str, int] | None:
-        """The adapter a call of ``session`` samples with now, and its version."""
+    def _policy_adapter(self) -> str | None:
+        return self._adapters.policy_adapter if self._adapters is not None else None
+
+    def _adapter_of(self, session: Session, *, first_token: bool = False) -> tuple[str, int] | None:
+        """The adapter a call of ``session`` samples with now, and its version: the version
+        the session is pinned to while the engine still holds it (an engine whose
+        ``keep_versions`` > 1 holds the last ones in ``held_versions``), else the current one,
+        which the call's first token pins. Read when that token comes: a swap cannot fall
+        between the engine's choice and this (it waits for the calls in flight)."""
         if self._adapters is None:
             return None
         name = session.adapter or self._adapters.policy_adapter
         if name is None:
             return None
-        return name, self._adapters.adapter_versions.get(name, 0)
+        if name == BASE_ADAPTER:
+            return name, 0
+        current = name, self._adapters.adapter_versions.get(name, 0)
+        if getattr(self._adapters, "keep_versions", 1) <= 1:
+            return current
+        pin = session.pinned
+        held = getattr(self._adapters, "held_versions", {}).get(name, ())
+        if pin is not None and pin[0] == name and pin[1] in held:
+            return pin
+        if first_token:  # what the engine served: the current version, which pins it
+            session.pinned = current
+        return current
 
     def _check_budget(self, spent: _Spent) -> None:
         """Refuse a call of a session whose budget is spent, and mark the session truncated."""

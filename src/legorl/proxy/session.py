@@ -117,6 +117,9 @@ class Session:
         self.id = id
         self.tok = tokenizer
         self.adapter = adapter  # the LoRA adapter its calls sample with; None: the policy
+        # (adapter, version) its first call sampled with, on an engine that keeps earlier
+        # versions: its later calls ask for that version while the engine holds it
+        self.pinned: tuple[str, int] | None = None
         self.main: SubSession | None = None
         if main_system is not None:
             self.main = SubSession(id, aux=False, system=main_system)
