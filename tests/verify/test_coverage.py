@@ -98,3 +98,16 @@ def test_a_one_bit_failing_test_is_unverified_and_wins_without_the_rule(tmp_path
     defended = _grade(task, patch, backend)
     assert defended.reward == 0.0, defended.verdict
     assert "unverified" in defended.hack_flags
+
+
+def test_a_declared_test_is_still_failed_by_the_judges_events(tmp_path, backend) -> None:
+    # Declared uncoverable, the one-bit test is carried by the in-process outcome. But its
+    # sites are the judge's, and they never fail in the judged process: the empty patch must
+    # still fail it on the judge's reading of its events, and the fix pass.
+    task = _one_bit(_task(), tmp_path)
+    task = dataclasses.replace(task, uncoverable=list(task.FAIL_TO_PASS))
+    empty = _grade(task, "", backend)
+    assert empty.reward == 0.0, empty.verdict
+    gold = _grade(task, task.patch, backend)
+    assert gold.reward == 1.0, gold.verdict
+    assert gold.verdict["judged_in_process"] == task.FAIL_TO_PASS

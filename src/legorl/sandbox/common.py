@@ -139,6 +139,14 @@ def owner_tag(pid: int | None = None) -> str:
     return f"{socket.gethostname()}:{pid}:{_proc_start_ticks(pid) or '?'}"
 
 
+def write_owner(folder: Path, run_id: str, task_id: str) -> None:
+    """``folder/owner.json``: who made the sandbox, for ``legorl sandbox gc``; written whole
+    (a reader never sees half of it)."""
+    tmp = folder / f".owner.json.{os.getpid()}"
+    tmp.write_text(json.dumps({"owner": owner_tag(), "run": run_id, "task": task_id}))
+    os.replace(tmp, folder / "owner.json")
+
+
 def owner_alive(tag: str) -> bool | None:
     """True/False for an owner on this host; None when it lives on another host (unknown)."""
     host, _, rest = tag.partition(":")

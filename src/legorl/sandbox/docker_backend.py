@@ -73,6 +73,7 @@ from legorl.sandbox.common import (
     parse_counters,
     state_root,
     touch_usage,
+    write_owner,
 )
 from legorl.sandbox.images import activation, missing_message, probe_script, scrub_script
 from legorl.sandbox.layers import Layer, keep_up_to, plan
@@ -1458,9 +1459,7 @@ class DockerBackend:
             split_proxy_url(proxy_url)  # a bad URL fails before anything starts
             rundir = state_root() / name / "run"
             rundir.mkdir(parents=True)
-            (rundir.parent / "owner.json").write_text(
-                json.dumps({"owner": owner_tag(), "run": run_id, "task": task.instance_id})
-            )
+            write_owner(rundir.parent, run_id, task.instance_id)
             shutil.copy(FORWARDER, rundir / "forwarder.py")
             relay = open_relay(rundir / "proxy.sock", proxy_url)
             binds = {str(rundir): {"bind": RELAY_DIR, "mode": "ro"}}

@@ -58,9 +58,9 @@ from legorl.sandbox.common import (
     in_thread,
     judged_env,
     owner_alive,
-    owner_tag,
     state_root,
     touch_usage,
+    write_owner,
 )
 from legorl.sandbox.docker_backend import LayerReport
 from legorl.sandbox.layers import Layer, env_layer, instance_layer, keep_up_to
@@ -781,9 +781,7 @@ class LocalBackend:
         relay = None
         cg = None
         try:
-            (root / "owner.json").write_text(
-                json.dumps({"owner": owner_tag(), "run": run_id, "task": task.instance_id})
-            )
+            write_owner(root, run_id, task.instance_id)
             for sub in ("tmp", "home"):
                 (root / sub).mkdir()
             shutil.copytree(_layer_dir(instance) / "repo", root / "repo", symlinks=True)

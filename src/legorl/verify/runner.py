@@ -393,10 +393,7 @@ def _judge_assertions(
     for test in task.FAIL_TO_PASS + task.PASS_TO_PASS:
         group = "fail_to_pass" if test in task.FAIL_TO_PASS else "pass_to_pass"
         key = plan.keys.get(test)
-        if not covered.get(test):
-            if test in declared:
-                in_process.append(test)
-                continue
+        if not covered.get(test) and test not in declared:
             flags.add("unverified")
             why[test] = (
                 "none of the assertions a fix must change is judged out of process against a secret"
@@ -405,13 +402,22 @@ def _judge_assertions(
             )
             out[test] = "unverified"
             continue
-        assert key is not None
+        if key is None:  # declared, and its function is not in the pristine source
+            in_process.append(test)
+            continue
+        # A declared test is carried by the in-process outcome, but its events are still
+        # judged: the judge's sites never fail in the judged process, so only here can they.
         verdict = assertions.judge_test(
-            key, test_run.events, plan, gold, True, own_verdicts="own_verdicts" in off
+            key,
+            test_run.events,
+            plan,
+            gold,
+            bool(covered.get(test)),
+            own_verdicts="own_verdicts" in off,
         )
         counts[group][0] += verdict.judged_out
         counts[group][1] += verdict.judged_out + verdict.judged_in
-        if verdict.judged_in:
+        if verdict.judged_in or not covered.get(test):
             in_process.append(test)
         if verdict.outcome != "passed":
             why[test] = verdict.detail
