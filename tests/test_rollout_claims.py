@@ -98,23 +98,3 @@ def test_an_engine_failure_after_the_policy_acted_stays_a_proxy_error(
     assert "the engine failed the session's last call" in traj.evidence["corroborated"]
     assert "no scripted completion left" in traj.evidence["corroborated"]
     assert traj.patch == _task().patch  # the policy did act: the failure came after
-
-
-def test_a_tree_the_diff_cannot_take_is_the_policys_outcome(tmp_path: Path) -> None:
-    # Round 3 of the red team: a sparse file of 5 GiB (no disk used) makes the sandbox's diff
-    # refuse the tree. That was ``sandbox_error``, so verify gave null and training dropped the
-    # episode; the agent made the tree, so it is the agent's failure, graded 0.
-    script = [
-        TITLE,
-        {"match": "rectangle_area", "text": shell_call("mini", "truncate -s 5G /testbed/.scratch")},
-        {"text": "Done.", "repeat": True},
-    ]
-    traj = rollout_with(tmp_path, "mini", script)
-    assert traj.status == "harness_error", traj.evidence
-    assert traj.evidence["error"].startswith("sandbox (diff): "), traj.evidence
-    graded = _legorl(
-        "verify", "traj.jsonl", "--tasks", "tasks.jsonl", "--out", "graded.jsonl", cwd=tmp_path
-    )
-    assert graded.returncode == 0, graded.stderr[-3000:]
-    (result,) = read_jsonl(tmp_path / "graded.jsonl", Trajectory)
-    assert result.reward == 0.0, result.verdict
