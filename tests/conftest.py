@@ -42,17 +42,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
-def docker_backend():
-    """The docker sandbox backend; skips without a daemon, fails under CI."""
+def sandbox_backend(name: str = "docker"):
+    """The ``docker`` or ``local`` (bubblewrap) sandbox backend; skips where it cannot run here,
+    fails under CI (which installs and starts both)."""
     import shutil
 
     from legorl.sandbox import make_backend
 
-    if shutil.which("docker") is None or os.system("docker info >/dev/null 2>&1") != 0:
+    if name == "docker":
+        if shutil.which("docker") is None or os.system("docker info >/dev/null 2>&1") != 0:
+            if IN_CI:
+                pytest.fail("the Docker daemon is not running (.ci/run starts it)")
+            pytest.skip("no Docker daemon")
+    elif shutil.which("bwrap") is None:
         if IN_CI:
-            pytest.fail("the Docker daemon is not running (.ci/run starts it)")
-        pytest.skip("no Docker daemon")
-    return make_backend("docker")
+            pytest.fail("bubblewrap is not installed (.ci/run installs it)")
+        pytest.skip("no bubblewrap")
+    return make_backend(name)
+
+
+def docker_backend():
+    """The docker sandbox backend; skips without a daemon, fails under CI."""
+    return sandbox_backend("docker")
 
 
 async def run_task(

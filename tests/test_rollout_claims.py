@@ -98,3 +98,35 @@ def test_an_engine_failure_after_the_policy_acted_stays_a_proxy_error(
     assert "the engine failed the session's last call" in traj.evidence["corroborated"]
     assert "no scripted completion left" in traj.evidence["corroborated"]
     assert traj.patch == _task().patch  # the policy did act: the failure came after
+
+
+#: What the agent leaves to make the diff of its tree fail, per backend (red team, rounds 3 and 4):
+#: a folder nobody may read (the local probe runs as the agent's uid), and a file whose patch
+#: is larger than the diff takes.
+UNDIFFABLE = {
+    "local": "mkdir /testbed/notes && chmod 000 /testbed/notes",
+    "docker": "head -c 230000000 /dev/urandom > /testbed/notes.bin",
+}
+
+
+@pytest.mark.parametrize("sandbox", sorted(UNDIFFABLE))
+def test_a_tree_the_diff_cannot_take_is_the_policys_outcome(tmp_path: Path, sandbox: str) -> None:
+    # That was ``sandbox_error``: verify gave null and training dropped the episode, so a policy
+    # could turn any 0 into "no signal". The sandbox still runs a command after the failed diff,
+    # so the failure is the tree's, the agent's: ``harness_error``, graded 0.
+    script = [
+        TITLE,
+        {"match": "rectangle_area", "text": shell_call("mini", UNDIFFABLE[sandbox])},
+        {"text": "Done.", "repeat": True},
+    ]
+    traj = rollout_with(tmp_path, "mini", script, sandbox=sandbox)
+    assert traj.status == "harness_error", traj.evidence
+    assert traj.evidence["error"].startswith("sandbox (diff): "), traj.evidence
+    assert traj.evidence["alive"].startswith("the sandbox still runs a command"), traj.evidence
+    graded = _legorl(
+        "verify", "traj.jsonl", "--tasks", "tasks.jsonl", "--out", "graded.jsonl",
+        "--sandbox", sandbox, cwd=tmp_path,
+    )  # fmt: skip
+    assert graded.returncode == 0, graded.stderr[-3000:]
+    (result,) = read_jsonl(tmp_path / "graded.jsonl", Trajectory)
+    assert result.reward == 0.0, result.verdict

@@ -19,7 +19,11 @@ environment failure stands only where the proxy's own record of the session
 (``SessionReport``) backs it: no output of the policy had reached the harness yet, or the engine
 failed the session's last call. Otherwise the episode is ``harness_error``, the policy's
 outcome, graded like any other, and ``evidence["uncorroborated"]`` says what was claimed and
-why it did not stand. A sandbox failure legorl's backend raised itself needs no corroboration.
+why it did not stand. A sandbox failure legorl's backend raised itself needs no corroboration,
+except a failed diff of the tree the agent left: the agent can make that fail (a sparse file of
+any size), so where the sandbox still answers afterwards the failure is ``harness_error``, graded
+with no patch; only a sandbox that no longer answers (its node or container gone) is
+``sandbox_error``.
 An episode the proxy truncated (a budget spent, or the prompt outgrew the model's context) is
 ``truncated`` whatever the harness's exit looked like: that is the policy's doing, and align's
 truncation rule handles it. Re-running with the same output skips finished trajectories.
@@ -272,13 +276,29 @@ async def _attempt(
             try:
                 patch = await sandbox.diff()
             except SandboxError as exc:
-                status, evidence["error"] = "sandbox_error", f"sandbox (diff): {exc}"
-                claimed = False
+                evidence["error"] = f"sandbox (diff): {exc}"
+                status, claimed = await _diff_failure(sandbox, evidence), False
     finally:
         if sandbox is not None:
             with contextlib.suppress(Exception):
                 await sandbox.close()
     return status, patch, claimed
+
+
+async def _diff_failure(sandbox: Sandbox, evidence: dict[str, Any]) -> str:
+    """The status of a run whose diff failed: the agent's outcome where the sandbox still runs a
+    command (the tree it left is what the diff refused), an environment failure where it does
+    not (the sandbox, or its node, died under the diff); ``evidence["alive"]`` says which."""
+    try:
+        alive = await sandbox.exec(["true"], timeout=60)
+    except SandboxError as exc:
+        evidence["alive"] = f"the sandbox no longer runs a command: {exc}"
+        return "sandbox_error"
+    if alive.exit_code != 0:
+        evidence["alive"] = f"the sandbox no longer runs a command: exit {alive.exit_code}"
+        return "sandbox_error"
+    evidence["alive"] = "the sandbox still runs a command: the diff refused the agent's tree"
+    return "harness_error"
 
 
 def judge_claim(claimed: str, report: SessionReport | None) -> tuple[str, str]:
@@ -373,7 +393,7 @@ class EngineSpec:
     """The engine a rollout's proxy serves: ``make_engine``'s name and options."""
 
     name: str = "embedded"  # embedded | forced | vllm | module:Class
-    weights: Path  # the folder it loads: the model, or a checkpoint of it
+    weights: Path  # the folder it loads: the model, a checkpoint of it, or an adapter (on its base)
     options: dict[str, Any] = field(default_factory=dict)
     policy_version: int = 0  # the version those weights are (a continued loop's checkpoint)
     log_dir: Path  # where a vLLM server that legorl launches writes its log
@@ -388,16 +408,27 @@ async def serve_engine(
     ``ValueError``, ``TypeError`` or ``FileNotFoundError`` for a bad option, an ``EngineError``
     for an engine that would not start."""
     from legorl.engines import make_engine
+    from legorl.engines.adapters import adapter_base, is_adapter
 
     options = dict(engine.options)
     if engine.name == "vllm" and "base_url" not in options:
         options.setdefault("log_path", str(engine.log_dir / "vllm-server.log"))
+    # An adapter checkpoint (a continued LoRA loop's): the engine serves its base model and
+    # loads the adapter as the policy, so that the next adapter is swapped in like the first.
+    adapter = engine.weights if is_adapter(engine.weights) else None
+    weights = adapter_base(adapter) if adapter is not None else engine.weights
     # In a thread: loading weights, or waiting for a vLLM server, must not stall the event loop.
-    eng = await asyncio.to_thread(
-        make_engine, engine.name, model_path=str(engine.weights), **options
-    )
-    if engine.policy_version:
-        eng.policy_version = engine.policy_version
+    eng = await asyncio.to_thread(make_engine, engine.name, model_path=str(weights), **options)
+    try:
+        if adapter is not None:
+            # a policy adapter's load makes the next policy version: the one it had
+            eng.policy_version = max(engine.policy_version - 1, 0)
+            await eng.load_weights(str(adapter))
+        if engine.policy_version:
+            eng.policy_version = engine.policy_version
+    except BaseException:
+        await eng.close()
+        raise
     try:
         async with inprocess_proxy(model, eng, turns_dir, budget) as served:
             yield served
@@ -427,18 +458,19 @@ async def inprocess_proxy(
 
 
 def core_endpoint(
-    core: Any, url: str, turns_dir: Path, *, own_folder: bool = True
+    core: Any, url: str, turns_dir: Path, *, own_folder: bool = True, adapter: str | None = None
 ) -> ProxyEndpoint:
     """The endpoint of an in-process ``ProxyCore`` served at ``url``; with ``own_folder`` its
     sessions write their Turns to ``turns_dir`` whatever the core's folder is (several
-    endpoints of one core, each with its own folder, may be in use at once)."""
+    endpoints of one core, each with its own folder, may be in use at once). ``adapter``: the
+    LoRA adapter its sessions sample with (``RolloutWork.adapter``); None: the policy."""
 
     async def open_session(sid: str, main_system: str | None = None) -> SessionAccess:
         from legorl.proxy.chat import ApiError
 
         try:
             out = turns_dir if own_folder else None
-            route = core.open_session(sid, main_system=main_system, out=out)
+            route = core.open_session(sid, main_system=main_system, out=out, adapter=adapter)
         except ApiError as err:
             raise SessionOpenError(err.message) from None
         return SessionAccess.of_route(url, route)

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import grade_patch
+from conftest import grade_patch, sandbox_backend
 
 from legorl.records import Task, read_jsonl
 from legorl.tasks import apply_patch, checkout
@@ -40,13 +38,7 @@ ANSWERS_THE_TEST = (
 
 @pytest.fixture(scope="module")
 def backend():
-    from legorl.sandbox import make_backend
-
-    if shutil.which("bwrap") is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("bubblewrap is not installed (.ci/run installs it)")
-        pytest.skip("no bubblewrap")
-    return make_backend("local")
+    return sandbox_backend("local")
 
 
 def _task() -> Task:

@@ -13,15 +13,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import difflib
-import os
-import shutil
 import tempfile
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import grade_patch, scripted_run
+from conftest import grade_patch, sandbox_backend, scripted_run
 
 from legorl.records import Task, Trajectory, read_jsonl
 from legorl.tasks import checkout
@@ -85,16 +83,6 @@ sys.exit(1 if failed else 0)
 """
 
 
-def _docker_backend() -> Any:
-    from legorl.sandbox import make_backend
-
-    if shutil.which("docker") is None or os.system("docker info >/dev/null 2>&1") != 0:
-        if os.environ.get("CI") == "true":
-            pytest.fail("the Docker daemon is not running (.ci/run starts it)")
-        pytest.skip("no Docker daemon")
-    return make_backend("docker")
-
-
 def _new_file(path: str, text: str, mode: str = "100644") -> str:
     lines = text.splitlines()
     body = "".join(f"+{ln}\n" for ln in lines)
@@ -146,7 +134,7 @@ async def _grade(task: Task, patch: str, off: frozenset[str] = frozenset()) -> T
     return await grade_patch(
         task,
         patch,
-        backend=_docker_backend(),
+        backend=sandbox_backend("docker"),
         tasks_dir=TASKS,
         config=config,
         run_id=f"legorl-graders-{uuid.uuid4().hex[:8]}",

@@ -7,14 +7,12 @@ the strict reader and of the tree judge are checked without Docker.
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 import textwrap
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import grade_patch
+from conftest import grade_patch, sandbox_backend
 
 from legorl.records import Task, Trajectory, read_jsonl
 from legorl.verify import VerifyConfig
@@ -46,28 +44,6 @@ FORCE_PASS = textwrap.dedent(
 )
 
 
-def _docker_backend():
-    from legorl.sandbox import make_backend
-
-    if shutil.which("docker") is None or os.system("docker info >/dev/null 2>&1") != 0:
-        if os.environ.get("CI") == "true":
-            pytest.fail("the Docker daemon is not running (.ci/run starts it)")
-        pytest.skip("no Docker daemon")
-    return make_backend("docker")
-
-
-def _backend(name: str):
-    from legorl.sandbox import make_backend
-
-    if name == "docker":
-        return _docker_backend()
-    if shutil.which("bwrap") is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("bubblewrap is not installed (.ci/run installs it)")
-        pytest.skip("no bubblewrap")
-    return make_backend("local")
-
-
 def _task() -> Task:
     return next(t for t in read_jsonl(TASKS / "train.jsonl", Task) if t.instance_id == TASK_ID)
 
@@ -78,7 +54,7 @@ def _grade(
     graded = grade_patch(
         task or _task(),
         patch,
-        backend=_backend(backend),
+        backend=sandbox_backend(backend),
         tasks_dir=TASKS,
         config=VerifyConfig(defences_off=off),
         run_id="legorl-test-judge",
@@ -116,7 +92,7 @@ def _readme_note(task: Task) -> str:
 
 
 def test_gold_fix_is_kept_and_the_judged_diff_is_the_real_change() -> None:
-    backend = _docker_backend()
+    backend = sandbox_backend("docker")
     task = _task()
 
     async def run() -> tuple[list[str], str, str | None]:

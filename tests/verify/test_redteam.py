@@ -26,7 +26,6 @@ import http.server
 import os
 import re
 import shlex
-import shutil
 import threading
 import uuid
 from collections.abc import Iterator
@@ -34,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_task
+from conftest import run_task, sandbox_backend
 
 from legorl.engines import make_engine
 from legorl.harnesses import MiniHarness
@@ -75,26 +74,6 @@ OLD_DIFF = (
     '&& GIT_INDEX_FILE="$idx" git diff --cached --binary --no-color --no-ext-diff '
     "--src-prefix=a/ --dst-prefix=b/ {base} 2>&1"
 )
-
-
-def _docker_backend() -> SandboxBackend:
-    from legorl.sandbox import make_backend
-
-    if shutil.which("docker") is None or os.system("docker info >/dev/null 2>&1") != 0:
-        if os.environ.get("CI") == "true":
-            pytest.fail("the Docker daemon is not running (.ci/run starts it)")
-        pytest.skip("no Docker daemon")
-    return make_backend("docker")
-
-
-def _local_backend() -> SandboxBackend:
-    from legorl.sandbox import make_backend
-
-    if shutil.which("bwrap") is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("bubblewrap is not installed (.ci/run installs it)")
-        pytest.skip("no bubblewrap")
-    return make_backend("local")
 
 
 def _tasks_dir(task: Task) -> Path:
@@ -249,7 +228,7 @@ async def _grade(
     return await grade(
         traj,
         task,
-        backend=_docker_backend(),
+        backend=sandbox_backend("docker"),
         tasks_dir=str(_tasks_dir(task)),
         run_id=f"legorl-redteam-{uuid.uuid4().hex[:8]}",
         turns=turns,
@@ -265,7 +244,7 @@ async def _undefended(traj: Trajectory, task: Task) -> float:
     the hidden tests applied where they still apply, the task's own test command, its printed
     `-rA` summary parsed (the last word on each test wins). Reward 1 here means the hack
     really cheats."""
-    backend = _docker_backend()
+    backend = sandbox_backend("docker")
     box = await backend.start(
         task, str(_tasks_dir(task)), run_id=f"legorl-redteam-{uuid.uuid4().hex[:8]}", proxy_url=None
     )
@@ -333,7 +312,7 @@ async def _grade_and_control(
 
 def test_honest_gold_fix_is_rewarded(tmp_path: Path) -> None:
     task = _task()
-    traj, turns, _ = asyncio.run(_rollout(tmp_path, honest(task), task, _docker_backend()))
+    traj, turns, _ = asyncio.run(_rollout(tmp_path, honest(task), task, sandbox_backend("docker")))
     graded = asyncio.run(_grade(traj, task, turns))
     assert graded.reward == 1.0, graded.verdict
     assert graded.hack_flags == []
@@ -374,7 +353,9 @@ def _check_row(hack: Hack, traj: Trajectory, graded: Trajectory, control_reward:
 @pytest.mark.parametrize("hack", GRADING, ids=[h.name for h in GRADING])
 def test_grading_hack_is_blocked(tmp_path: Path, hack: Hack) -> None:
     task = _task(hack.variant)
-    traj, turns, _ = asyncio.run(_rollout(tmp_path, hack.script(task), task, _docker_backend()))
+    traj, turns, _ = asyncio.run(
+        _rollout(tmp_path, hack.script(task), task, sandbox_backend("docker"))
+    )
     graded, control_reward = asyncio.run(_grade_and_control(traj, task, turns, hack))
     _check_row(hack, traj, graded, control_reward)
 
@@ -391,7 +372,7 @@ async def _django_rows(tmp: Path) -> dict[str, Any]:
 
     async def one(i: int, hack: Hack | None) -> Any:
         script = honest(task) if hack is None else hack.script(task)
-        backend = _docker_backend()
+        backend = sandbox_backend("docker")
         async with gate:
             traj, turns, seen = await _rollout(tmp / f"row{i}", script, task, backend)
             if hack is None:
@@ -416,7 +397,7 @@ async def _django_rows(tmp: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def django_rows(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    _docker_backend()
+    sandbox_backend("docker")
     return asyncio.run(_django_rows(tmp_path_factory.mktemp("django")))
 
 
@@ -454,13 +435,13 @@ def _sandbox_row(tmp: Path, hack: Hack) -> tuple[Trajectory, str, Trajectory]:
     """(defended graded, what the agent saw, control graded) for a sandbox-property hack."""
     task = _task(hack.variant)
     if hack.kind == "history":
-        backend = _docker_backend()
+        backend = sandbox_backend("docker")
         traj, turns, seen = asyncio.run(_rollout(tmp / "on", hack.script(task), task, backend))
         graded = asyncio.run(_grade(traj, task, turns))
         variant = _Variant(backend, setup=_future_history(task))
         ctraj, cturns, _ = asyncio.run(_rollout(tmp / "off", hack.script(task), task, variant))
         return graded, seen, asyncio.run(_grade(ctraj, task, cturns))
-    backend = _local_backend()
+    backend = sandbox_backend("local")
     with _serving(task.patch.encode()) as url:
         script = hack.script(task, {"fix_url": url})
         traj, turns, seen = asyncio.run(_rollout(tmp / "on", script, task, backend))
@@ -496,7 +477,7 @@ DIFF = [h for h in HACKS if h.kind == "diff"]
 @pytest.mark.parametrize("hack", DIFF, ids=[h.name for h in DIFF])
 def test_diff_hack_stays_out_of_the_patch(tmp_path: Path, hack: Hack) -> None:
     task = _task(hack.variant)
-    backend = _docker_backend()
+    backend = sandbox_backend("docker")
     traj, turns, _ = asyncio.run(_rollout(tmp_path / "on", hack.script(task), task, backend))
     graded = asyncio.run(_grade(traj, task, turns))
     old = _Variant(backend, old_diff=True)
@@ -523,7 +504,12 @@ def test_session_crossing_writes_nothing(tmp_path: Path, hack: Hack) -> None:
     def crossed(tmp: Path, isolate: bool) -> tuple[list[Turn], str]:
         _, _, seen = asyncio.run(
             _rollout(
-                tmp, hack.script(task), task, _docker_backend(), sibling=sibling, isolate=isolate
+                tmp,
+                hack.script(task),
+                task,
+                sandbox_backend("docker"),
+                sibling=sibling,
+                isolate=isolate,
             )
         )
         path = tmp / "turns" / f"{sibling}.jsonl"
