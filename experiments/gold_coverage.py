@@ -72,7 +72,9 @@ async def scan(path: Path, backend_name: str, cache: Path) -> list[dict[str, Any
                     required, record.sources, **framing(grader), inproc=set(record.inproc)
                 )
                 gold = record.gold()
-                covered = assertions.covered_tests(plan, gold, set(task.FAIL_TO_PASS))
+                covered = assertions.covered_tests(
+                    plan, gold, set(task.FAIL_TO_PASS), public=task.problem_statement
+                )
                 row["uncovered"] = sorted(t for t, c in covered.items() if not c)
                 row["undeclared"] = sorted(set(row["uncovered"]) - set(task.uncoverable))
                 row["f2p"] = _counts(task, plan, gold, task.FAIL_TO_PASS)

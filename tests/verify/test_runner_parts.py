@@ -436,6 +436,54 @@ def test_the_containers_built_from_one_runs_operands_are_budgeted() -> None:
     assert assertions.decode(small, assertions.Budget(0)).plain == [False]
 
 
+def test_the_hashing_work_of_one_runs_operands_is_budgeted() -> None:
+    # Round 4: a set of 150,000 ints that all hash to 0 (``i * (2**61 - 1)``), 2.2 MB marshalled
+    # and under every byte cap, cost ``marshal.loads`` minutes of comparisons on verify's event
+    # loop, which stalled every other grading of the batch. Sets and dicts are charged their
+    # size squared before anything is built: that one reads as not plain, unbuilt.
+    import binascii
+    import marshal
+
+    def event(value: object) -> dict:
+        blob = binascii.b2a_base64(marshal.dumps(value, 2)).decode()
+        return {"event": "a", "site": "s", "v": [{"m": blob}]}
+
+    colliding = {i * ((1 << 61) - 1) for i in range(1, 5000)}
+    assert len({hash(k) for k in colliding}) == 1
+    flood = event(colliding)
+    assert assertions.decode(flood).plain == [False]
+    assert assertions.decode(event({"k": frozenset(range(3000))})).plain == [True]
+    # the work is the run's: a few sets of 2,000 pass, the next past the budget does not
+    budget = assertions.Budget()
+    ordinary = event(set(range(2000)))
+    seen = [assertions.decode(ordinary, budget).plain[0] for _ in range(3)]
+    assert seen == [True, True, False]
+    assert assertions.decode(event([1, 2]), budget).plain == [False]  # spent: nothing more
+    assert assertions.decode(event({i: i for i in range(2000)})).plain == [True]
+
+
+def test_a_value_the_statement_shows_is_no_secret() -> None:
+    # Round 4: a fix that special-cased the statement's example (``rectangle_area(3, 5)``,
+    # "Expected: `15`") kept the bug and met the only check of the failing test. A held value
+    # the statement shows is no secret; of a table, what counts is what the run without the
+    # fix gets wrong.
+    statement = "rectangle_area(3, 5) gives 8\n\nExpected: `15`\nActual: `8`, not 1.5"
+    assert assertions.published(15, statement) and assertions.published(15.0, statement)
+    assert assertions.published("Expected", statement) and assertions.published(1.5, statement)
+    assert not assertions.published(150, statement) and not assertions.published(5.5, statement)
+    assert not assertions.published(1, "1.50") and not assertions.published(15, "")
+    unknown = assertions._unknown
+    # the one item the bug gets wrong is the statement's example: special-casing it meets it
+    assert not unknown([40, 25, 15], [40, 25, 8], statement)
+    assert unknown([40, 25, 16], [40, 25, 8], statement)  # an answer nobody was shown
+    # two wrong answers among right ones: the pattern is the secret, even of guessable items
+    assert unknown([True, False, True, True], [True, True, True, False], "")
+    assert not unknown([True, False], [False, True], "")  # flip every answer: a guess
+    assert not unknown([15, 8], [9, 9], statement)  # every answer shown
+    # without the unfixed run's value (it raised), the table as a whole
+    assert unknown([40, 25, 0], assertions._MISSING, statement)
+
+
 _BACKTRACKING_SCAN = r"""
 from legorl.records import Task
 from legorl.verify.scans import constant_comparisons, runner_tamper_suspects

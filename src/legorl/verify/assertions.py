@@ -844,27 +844,35 @@ _MARSHAL_SEQUENCE = {ord("("): 4, ord(")"): 1, ord("["): 4, ord("<"): 4, ord(">"
 
 #: Containers decoded from one run's operands (about 50 MiB of them at most).
 CONTAINERS = 200_000
+#: The hashing work of one run's operands: the sum over its sets and dicts of their sizes
+#: squared. Keys whose hashes all collide (the ints ``i * (2**61 - 1)`` all hash to 0) make a
+#: set of n of them cost about n**2 / 2 comparisons to build, so a bound on bytes alone lets a
+#: few MiB stall the judge for minutes; this one is about a tenth of a second at worst.
+HASHING = 10_000_000
 
 
 class Budget:
-    """How many containers the judge still builds from one run's operands: a marshalled
-    ``{None: None}`` is 4 bytes and a 232-byte dict, so a stream's cap alone bounds the
-    judge's memory only about 60 times over."""
+    """What the judge still spends on one run's operands: the containers it builds (a
+    marshalled ``{None: None}`` is 4 bytes and a 232-byte dict, so a stream's cap alone bounds
+    the judge's memory only about 60 times over) and the hashing work of its sets and dicts
+    (``HASHING``)."""
 
-    def __init__(self, containers: int = CONTAINERS) -> None:
+    def __init__(self, containers: int = CONTAINERS, hashing: int = HASHING) -> None:
         self.containers = containers
+        self.hashing = hashing
 
 
 def marshal_sound(data: bytes, budget: Budget | None = None) -> bool:
     """Whether ``data`` is one marshalled value of plain types whose every declared length fits
     in the bytes that follow, checked before ``marshal.loads`` allocates anything for it (a
-    blob of a few bytes can otherwise declare a list of 2**31 items), and whose containers fit
-    in what is left of ``budget`` (taken from it when they do)."""
+    blob of a few bytes can otherwise declare a list of 2**31 items), and whose containers and
+    hashing work fit in what is left of ``budget`` (taken from it when they do; without one, in
+    a fresh budget)."""
     end = len(data)
-    containers = 0
+    containers = hashing = 0
 
     def value(pos: int, depth: int) -> int | None:  # where the value at ``pos`` ends
-        nonlocal containers
+        nonlocal containers, hashing
         if depth > 100 or pos >= end:
             return None
         code = data[pos] & 0x7F  # the FLAG_REF bit only marks the value for back-references
@@ -889,6 +897,8 @@ def marshal_sound(data: bytes, budget: Budget | None = None) -> bool:
             pos += width
             if count < 0 or count > end - pos:  # every item takes at least one byte
                 return None
+            if code in (ord("<"), ord(">")):  # a set or frozenset: its items are hashed
+                hashing += count * count
             for _ in range(count):
                 found = value(pos, depth + 1)
                 if found is None:
@@ -896,11 +906,14 @@ def marshal_sound(data: bytes, budget: Budget | None = None) -> bool:
                 pos = found
         elif code == ord("{"):
             containers += 1
+            pairs = 0
             while True:
                 if pos >= end:
                     return None
                 if data[pos] == ord("0"):  # the dict's end
+                    hashing += pairs * pairs
                     return pos + 1
+                pairs += 1
                 for _ in range(2):  # a key, then its value
                     found = value(pos, depth + 1)
                     if found is None:
@@ -912,11 +925,12 @@ def marshal_sound(data: bytes, budget: Budget | None = None) -> bool:
 
     if value(0, 0) != end:
         return False
-    if budget is not None:
-        if containers > budget.containers:
-            budget.containers = 0
-            return False
-        budget.containers -= containers
+    budget = budget if budget is not None else Budget()
+    if containers > budget.containers or hashing > budget.hashing:
+        budget.containers = budget.hashing = 0
+        return False
+    budget.containers -= containers
+    budget.hashing -= hashing
     return True
 
 
@@ -1396,9 +1410,49 @@ def decisive(key: str, plan: Plan, gold: Gold) -> list[int]:
     return out
 
 
-def secret_bearing(key: str, index: int, plan: Plan, gold: Gold) -> bool:
+def published(value: Any, public: str) -> bool:
+    """Whether ``public`` (the statement the agent was given) shows ``value``: its repr, a
+    text's own characters or a whole number's digits, as a token of its own."""
+    if isinstance(value, Approx):
+        value = value.expected
+    if not public:
+        return False
+    forms = {repr(value)}
+    if type(value) is str:
+        forms.add(value)
+    elif type(value) is float and value.is_integer():
+        forms.add(str(int(value)))
+    for form in forms:
+        if not form:
+            continue
+        lead = r"(?<![\w.])" if form[0].isalnum() or form[0] == "_" else ""
+        tail = r"(?![\w]|\.\d)" if form[-1].isalnum() or form[-1] == "_" else ""
+        if re.search(lead + re.escape(form) + tail, public):
+            return True
+    return False
+
+
+def _unknown(held: Any, without_fix: Any, public: str) -> bool:
+    """Whether meeting ``held`` needs something the agent was never shown. Of a table, what
+    the run without the fix (``without_fix``, its value at that operand, or _MISSING) gets
+    wrong: one of those items neither guessable nor in the statement, or the pattern of at
+    least two wrong items among right ones (a fix special-casing the statement's one example
+    changes one; flipping every answer breaks the right ones)."""
+    tables = type(held) in (list, tuple) and type(without_fix) in (list, tuple)
+    if tables and len(held) == len(without_fix):
+        pairs = zip(held, without_fix, strict=True)
+        wrong = [h for h, w in pairs if not (type(h) is type(w) and h == w)]
+        if any(not guessable(h) and not published(h, public) for h in wrong):
+            return True
+        return 2 <= len(wrong) < len(held)
+    return not guessable(held) and not published(held, public)
+
+
+def secret_bearing(key: str, index: int, plan: Plan, gold: Gold, public: str = "") -> bool:
     """Whether the gold run's ``index``-th event of ``key`` is judged here against an expected
-    value the judged process never holds and cannot guess."""
+    value the judged process never holds and the agent can neither guess nor read in
+    ``public``, the task's statement (a fix that special-cases the statement's example must
+    not meet it). Of a table, what counts is what the run without the fix gets wrong."""
     if not gold.runs or gold.in_process(key, index):
         return False
     events = gold.runs[-1].get(key, TestEvents()).events
@@ -1409,29 +1463,46 @@ def secret_bearing(key: str, index: int, plan: Plan, gold: Gold) -> bool:
         return False
     if site.op == "raises":
         message = site.extra.get("message")
-        return type(message) is str and not guessable(message)
+        return type(message) is str and not guessable(message) and not published(message, public)
     if site.op not in _SECRET_OPS:
         return False
+    unfixed = gold.empty.get(key, TestEvents()).events if gold.empty is not None else []
+    there = unfixed[index] if index < len(unfixed) else None
+    if there is not None and there.site != events[index].site:
+        there = None
+
+    def without_fix(held_at: int) -> Any:  # the unfixed run's computed side of the event
+        if there is None or there.ok is not None:
+            return _MISSING
+        sides = [v for i, v in enumerate(there.values) if i != held_at and v is not _MISSING]
+        return sides[0] if len(sides) == 1 else _MISSING
+
     for operand, (is_held, value) in enumerate(site.held):
-        if is_held and not guessable(value):
+        if is_held and _unknown(value, without_fix(operand), public):
             return True
         handle = gold.handle(key, index, operand)
         if (
             not is_held
             and handle is not None
             and handle in plan.held
-            and not guessable(plan.held[handle])
+            and _unknown(plan.held[handle], without_fix(operand), public)
         ):
             return True
     return False
 
 
 def covered_tests(
-    plan: Plan, gold: Gold, fail_to_pass: set[str] | frozenset[str], *, secrets: bool = True
+    plan: Plan,
+    gold: Gold,
+    fail_to_pass: set[str] | frozenset[str],
+    *,
+    secrets: bool = True,
+    public: str = "",
 ) -> dict[str, bool]:
     """Required test -> covered. Its function must be in the pristine source. A
     ``FAIL_TO_PASS`` test is covered when one of its decisive events (`decisive`) is judged here
-    against a secret (`secret_bearing`); a ``PASS_TO_PASS`` test, and any test with
+    against a secret (`secret_bearing`; ``public``: the task's statement, which no secret is
+    shown in); a ``PASS_TO_PASS`` test, and any test with
     ``secrets`` off (a control), when at least one of its gold run's assertions is judged here.
     A verdict the judged process makes itself can fail a test, never carry one."""
     out = {}
@@ -1440,7 +1511,9 @@ def covered_tests(
         ok = False
         if found and key is not None and gold.runs:
             if secrets and test in fail_to_pass:
-                ok = any(secret_bearing(key, i, plan, gold) for i in decisive(key, plan, gold))
+                ok = any(
+                    secret_bearing(key, i, plan, gold, public) for i in decisive(key, plan, gold)
+                )
             else:
                 events = gold.runs[-1].get(key, TestEvents()).events
                 ok = any(

@@ -46,6 +46,7 @@ DEFENCES = frozenset(
         "judge_assertions",
         "own_verdicts",
         "decisive_secrets",
+        "unpublished_secrets",
         "held_tables",
         "judged_user",
         "null_on_proof",
@@ -382,7 +383,11 @@ def _judge_assertions(
 ) -> dict[str, str]:
     """Each required test's assertions, judged here; the in-process outcome must agree."""
     covered = assertions.covered_tests(
-        plan, gold, set(task.FAIL_TO_PASS), secrets="decisive_secrets" not in off
+        plan,
+        gold,
+        set(task.FAIL_TO_PASS),
+        secrets="decisive_secrets" not in off,
+        public=task.problem_statement if "unpublished_secrets" not in off else "",
     )
     declared = set(task.uncoverable)
     out = dict(tests)
