@@ -14,13 +14,24 @@ and the episode stays ``proxy_error``, masked. Under CI=true a missing Docker da
 
 from __future__ import annotations
 
+import asyncio
 import shlex
 from pathlib import Path
 
 import pytest
-from test_rollout_harnesses import TITLE, _fix_command, _legorl, _task, rollout_with, shell_call
+from conftest import sandbox_backend
+from test_rollout_harnesses import (
+    TASKS,
+    TITLE,
+    _fix_command,
+    _legorl,
+    _task,
+    rollout_with,
+    shell_call,
+)
 
 from legorl.records import ENVIRONMENT_FAILURES, Trajectory, read_jsonl
+from legorl.rollout import _sandbox_failure
 
 # Run by the agent's shell tool: walk up from itself to the process the sandbox's exec started
 # (the limit's ``timeout``, whose parent is outside the sandbox's PID namespace), write the
@@ -100,29 +111,29 @@ def test_an_engine_failure_after_the_policy_acted_stays_a_proxy_error(
     assert traj.patch == _task().patch  # the policy did act: the failure came after
 
 
-#: What the agent leaves to make the diff of its tree fail, per backend (red team, rounds 3 and 4):
-#: a folder nobody may read (the local probe runs as the agent's uid), and a file whose patch
-#: is larger than the diff takes.
+#: What the agent leaves to make the diff of its tree fail (red team, rounds 3 and 4): a folder
+#: nobody may read (the local probe runs as the agent's uid), a file whose patch is larger than
+#: the diff takes; with what the sandbox says afterwards.
 UNDIFFABLE = {
-    "local": "mkdir /testbed/notes && chmod 000 /testbed/notes",
-    "docker": "head -c 230000000 /dev/urandom > /testbed/notes.bin",
+    "local-unreadable": ("local", "mkdir /testbed/notes && chmod 000 /testbed/notes", "still runs"),
+    "docker-huge": ("docker", "head -c 230000000 /dev/urandom > /testbed/notes.bin", "still runs"),
 }
 
 
-@pytest.mark.parametrize("sandbox", sorted(UNDIFFABLE))
-def test_a_tree_the_diff_cannot_take_is_the_policys_outcome(tmp_path: Path, sandbox: str) -> None:
+@pytest.mark.parametrize("case", sorted(UNDIFFABLE))
+def test_a_tree_the_diff_cannot_take_is_the_policys_outcome(tmp_path: Path, case: str) -> None:
     # That was ``sandbox_error``: verify gave null and training dropped the episode, so a policy
     # could turn any 0 into "no signal". The sandbox still runs a command after the failed diff,
-    # so the failure is the tree's, the agent's: ``harness_error``, graded 0.
+    # or ended while its backend answers: the agent's doing, ``harness_error``, graded 0.
+    sandbox, command, said = UNDIFFABLE[case]
     script = [
         TITLE,
-        {"match": "rectangle_area", "text": shell_call("mini", UNDIFFABLE[sandbox])},
+        {"match": "rectangle_area", "text": shell_call("mini", command)},
         {"text": "Done.", "repeat": True},
     ]
     traj = rollout_with(tmp_path, "mini", script, sandbox=sandbox)
     assert traj.status == "harness_error", traj.evidence
-    assert traj.evidence["error"].startswith("sandbox (diff): "), traj.evidence
-    assert traj.evidence["alive"].startswith("the sandbox still runs a command"), traj.evidence
+    assert traj.evidence.get("alive", "").startswith(f"the sandbox {said}"), traj.evidence
     graded = _legorl(
         "verify", "traj.jsonl", "--tasks", "tasks.jsonl", "--out", "graded.jsonl",
         "--sandbox", sandbox, cwd=tmp_path,
@@ -130,3 +141,32 @@ def test_a_tree_the_diff_cannot_take_is_the_policys_outcome(tmp_path: Path, sand
     assert graded.returncode == 0, graded.stderr[-3000:]
     (result,) = read_jsonl(tmp_path / "graded.jsonl", Trajectory)
     assert result.reward == 0.0, result.verdict
+
+
+def test_a_sandbox_the_agent_ended_itself_is_its_outcome() -> None:
+    # Round 5: as root in its container the agent signals PID 1 (Docker's init, which passes it
+    # to the container's main process and exits; the container is removed). Its commands and
+    # the diff then fail, which read as ``sandbox_error``, a null. The daemon still answers and
+    # the container is gone: what ran in it ended it, ``harness_error``, graded 0.
+    backend = sandbox_backend("docker")
+    task = _task()
+
+    async def run() -> tuple[bool | None, bool | None, str, dict]:
+        box = await backend.start(task, str(TASKS), run_id="legorl-test-ended", proxy_url=None)
+        try:
+            before = await box.alive()
+            await box.exec(["sh", "-c", "kill -TERM 1; sleep 30"], timeout=60)
+            evidence: dict = {}
+            for _ in range(20):  # the container is removed a moment after its init exits
+                if await box.alive() is False:
+                    break
+                await asyncio.sleep(0.5)
+            after = await box.alive()
+            return before, after, await _sandbox_failure(box, evidence), evidence
+        finally:
+            await box.close()
+
+    before, after, status, evidence = asyncio.run(run())
+    assert before is True and after is False
+    assert status == "harness_error", evidence
+    assert evidence["alive"].startswith("the sandbox ended while its backend answers")

@@ -251,6 +251,13 @@ class Sandbox(Protocol):
         """``git diff`` of the working tree (untracked files included) against base_commit."""
         ...
 
+    async def alive(self) -> bool | None:
+        """Whether the sandbox still runs a command: True; False when it has ended while its
+        backend answers (what runs in it ended it: the agent's processes, never legorl, which
+        ends a sandbox only by ``close``); None when the backend cannot tell (it, or the
+        machine under it, failed)."""
+        ...
+
     async def close(self) -> None: ...
 
 

@@ -20,10 +20,12 @@ environment failure stands only where the proxy's own record of the session
 failed the session's last call. Otherwise the episode is ``harness_error``, the policy's
 outcome, graded like any other, and ``evidence["uncorroborated"]`` says what was claimed and
 why it did not stand. A sandbox failure legorl's backend raised itself needs no corroboration,
-except a failed diff of the tree the agent left: the agent can make that fail (a sparse file of
-any size), so where the sandbox still answers afterwards the failure is ``harness_error``, graded
-with no patch; only a sandbox that no longer answers (its node or container gone) is
-``sandbox_error``.
+except a command that failed once the agent had started (the harness's, or the diff of the tree
+it left): the agent can make those fail (a file too large to diff, a folder nobody may read, a
+``kill 1`` that ends its container), so where the sandbox
+still answers afterwards, or ended while its backend answers (``Sandbox.alive``), the failure
+is ``harness_error``, graded with no patch; only where the backend cannot tell (it, or its
+node, failed) is it ``sandbox_error``.
 An episode the proxy truncated (a budget spent, or the prompt outgrew the model's context) is
 ``truncated`` whatever the harness's exit looked like: that is the policy's doing, and align's
 truncation rule handles it. Re-running with the same output skips finished trajectories.
@@ -271,13 +273,15 @@ async def _attempt(
                 status, claimed = outcome.status, True
                 evidence.update(exit_code=outcome.exit_code, log_tail=outcome.log_tail)
             except SandboxError as exc:
+                # the agent's commands run in the sandbox: it may have made this fail
                 evidence["error"] = f"sandbox: {exc}"
+                status = await _sandbox_failure(sandbox, evidence)
             timings["harness_s"] = time.monotonic() - t1
             try:
                 patch = await sandbox.diff()
             except SandboxError as exc:
                 evidence["error"] = f"sandbox (diff): {exc}"
-                status, claimed = await _diff_failure(sandbox, evidence), False
+                status, claimed = await _sandbox_failure(sandbox, evidence), False
     finally:
         if sandbox is not None:
             with contextlib.suppress(Exception):
@@ -285,20 +289,25 @@ async def _attempt(
     return status, patch, claimed
 
 
-async def _diff_failure(sandbox: Sandbox, evidence: dict[str, Any]) -> str:
-    """The status of a run whose diff failed: the agent's outcome where the sandbox still runs a
-    command (the tree it left is what the diff refused), an environment failure where it does
-    not (the sandbox, or its node, died under the diff); ``evidence["alive"]`` says which."""
+async def _sandbox_failure(sandbox: Sandbox, evidence: dict[str, Any]) -> str:
+    """The status of a run whose sandbox failed a command after the agent started (the harness's
+    or the diff's): the agent's outcome where the sandbox still runs a command (what it did,
+    or the tree it left, made that one fail) or ended while its backend answers (what the
+    agent ran ended it: a ``kill 1`` as root); an environment failure only where the backend
+    cannot tell (it, or the node under it, failed). ``evidence["alive"]`` says which."""
     try:
-        alive = await sandbox.exec(["true"], timeout=60)
+        alive = await sandbox.alive()
     except SandboxError as exc:
-        evidence["alive"] = f"the sandbox no longer runs a command: {exc}"
-        return "sandbox_error"
-    if alive.exit_code != 0:
-        evidence["alive"] = f"the sandbox no longer runs a command: exit {alive.exit_code}"
-        return "sandbox_error"
-    evidence["alive"] = "the sandbox still runs a command: the diff refused the agent's tree"
-    return "harness_error"
+        alive = None
+        evidence["alive"] = f"the backend cannot tell whether the sandbox runs: {exc}"
+    if alive is True:
+        evidence["alive"] = "the sandbox still runs a command: the diff refused the agent's tree"
+        return "harness_error"
+    if alive is False:
+        evidence["alive"] = "the sandbox ended while its backend answers: what ran in it ended it"
+        return "harness_error"
+    evidence.setdefault("alive", "the backend cannot tell whether the sandbox runs")
+    return "sandbox_error"
 
 
 def judge_claim(claimed: str, report: SessionReport | None) -> tuple[str, str]:

@@ -1235,6 +1235,30 @@ class DockerSandbox:
             raise SandboxError(f"sandbox {self.id}: git diff failed: {why}")
         return str(out["patch"])
 
+    async def alive(self) -> bool | None:
+        return await in_thread(self.alive_sync)
+
+    def alive_sync(self) -> bool | None:
+        """True when the container runs a command; False when the daemon answers and the
+        container has stopped or is gone (what ran in it ended it: its init exits with its
+        child, and the container is removed on exit); None when the daemon does not answer."""
+        import docker.errors
+
+        with contextlib.suppress(SandboxError):
+            if self.exec_sync(["true"], timeout=60, cwd="/").exit_code == 0:
+                return True
+        try:
+            self.api.ping()
+        except Exception:
+            return None
+        try:
+            state = self.api.inspect_container(self.container_id).get("State", {})
+        except docker.errors.NotFound:
+            return False
+        except docker.errors.APIError:
+            return None
+        return None if state.get("Running") else False
+
     # -- close
 
     async def close(self) -> None:

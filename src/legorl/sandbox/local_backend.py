@@ -694,6 +694,15 @@ class LocalSandbox:
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
+    async def alive(self) -> bool | None:
+        """True when a command runs; None otherwise: each command is a fresh bubblewrap (no
+        process of the agent's outlives its command), so nothing the agent runs can end the
+        sandbox, and one that no longer runs a command lost its folder on the host."""
+        with contextlib.suppress(SandboxError):
+            if (await self.exec(["true"], timeout=60, cwd="/")).exit_code == 0:
+                return True
+        return None
+
     async def close(self) -> None:
         # Off the event loop: a sandbox's tree may hold any number of files (removing 500,000
         # held a loop 6.7 s), and other sandboxes' work goes on meanwhile.
