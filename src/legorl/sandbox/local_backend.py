@@ -853,11 +853,15 @@ def gc_local(*, everything: bool = False, dry_run: bool = False) -> list[str]:
         removed.append(folder.name)
         if not dry_run:
             shutil.rmtree(folder, ignore_errors=True)
+    # The cgroups are the host's, shared by every state root (another user's, a Ray node's):
+    # only those of the sandboxes judged dead here go, and an orphan whose folder is gone
+    # from every root once it is a day old.
     for path in cgroups.stale(alive):
-        owner_file = root / path.name / "owner.json"
-        with contextlib.suppress(OSError, ValueError):
-            # Started after the listing above: not stale.
-            if owner_alive(json.loads(owner_file.read_text()).get("owner", "")) is not False:
+        if path.name not in removed:
+            try:
+                if (root / path.name).exists() or time.time() - path.stat().st_mtime < 86_400:
+                    continue
+            except FileNotFoundError:
                 continue
         if not dry_run:
             cgroups.CgroupSet.of_folder(path).remove()
