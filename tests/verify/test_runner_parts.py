@@ -434,13 +434,22 @@ def test_the_containers_built_from_one_runs_operands_are_budgeted() -> None:
     }
     assert assertions.decode(small, assertions.Budget(1)).plain == [True]
     assert assertions.decode(small, assertions.Budget(0)).plain == [False]
+    # Round 5: short texts are 2 bytes marshalled and 50-byte objects; values of every kind
+    # are counted too (a list of 1,500,000 one-letter texts, then another: the second is over)
+    texts = binascii.b2a_base64(marshal.dumps(["a"] * 1_500_000, 2)).decode()
+    records = [{"event": "tb", "key": "t"}]
+    records += [{"event": "a", "site": "s", "v": [{"m": texts}]} for _ in range(2)]
+    records.append({"event": "te", "key": "t"})
+    assert [e.plain for e in assertions.by_test(records)["t"].events] == [[True], [False]]
 
 
 def test_the_hashing_work_of_one_runs_operands_is_budgeted() -> None:
     # Round 4: a set of 150,000 ints that all hash to 0 (``i * (2**61 - 1)``), 2.2 MB marshalled
     # and under every byte cap, cost ``marshal.loads`` minutes of comparisons on verify's event
-    # loop, which stalled every other grading of the batch. Sets and dicts are charged their
-    # size squared before anything is built: that one reads as not plain, unbuilt.
+    # loop, which stalled every other grading of the batch. Round 5: 3,162 colliding tuples of
+    # 10,001 items each (32 MB) cost as much, each comparison as long as the tuples. Sets and
+    # dicts are charged their item count times their items' bytes before anything is built:
+    # both read as not plain, unbuilt.
     import binascii
     import marshal
 
@@ -452,6 +461,9 @@ def test_the_hashing_work_of_one_runs_operands_is_budgeted() -> None:
     assert len({hash(k) for k in colliding}) == 1
     flood = event(colliding)
     assert assertions.decode(flood).plain == [False]
+    long_items = {(None,) * 10_000 + (i * ((1 << 61) - 1),) for i in range(1, 101)}
+    assert len({hash(k) for k in long_items}) == 1
+    assert assertions.decode(event(long_items)).plain == [False]  # 100 of 10,001 items
     assert assertions.decode(event({"k": frozenset(range(3000))})).plain == [True]
     # the work is the run's: a few sets of 2,000 pass, the next past the budget does not
     budget = assertions.Budget()

@@ -844,22 +844,29 @@ _MARSHAL_SEQUENCE = {ord("("): 4, ord(")"): 1, ord("["): 4, ord("<"): 4, ord(">"
 
 #: Containers decoded from one run's operands (about 50 MiB of them at most).
 CONTAINERS = 200_000
-#: The hashing work of one run's operands: the sum over its sets and dicts of their sizes
-#: squared. Keys whose hashes all collide (the ints ``i * (2**61 - 1)`` all hash to 0) make a
-#: set of n of them cost about n**2 / 2 comparisons to build, so a bound on bytes alone lets a
-#: few MiB stall the judge for minutes; this one is about a tenth of a second at worst.
-HASHING = 10_000_000
+#: The hashing work of one run's operands: the sum over its sets and dicts of their item count
+#: times their items' marshalled bytes. Keys whose hashes all collide (the ints
+#: ``i * (2**61 - 1)`` all hash to 0) make a set of n of them cost about n**2 / 2 comparisons
+#: to build, each as long as the items compared, so a bound on bytes alone lets a few MiB stall
+#: the judge for minutes; this one is a fraction of a second at worst.
+HASHING = 50_000_000
+#: Values of any kind decoded from one run's operands: a marshalled short text is 2 bytes and
+#: a 50-byte object, so this bounds what the judge builds to about 100 MiB.
+VALUES = 2_000_000
 
 
 class Budget:
     """What the judge still spends on one run's operands: the containers it builds (a
     marshalled ``{None: None}`` is 4 bytes and a 232-byte dict, so a stream's cap alone bounds
     the judge's memory only about 60 times over) and the hashing work of its sets and dicts
-    (``HASHING``)."""
+    (``HASHING``), and the values of any kind it builds (``VALUES``)."""
 
-    def __init__(self, containers: int = CONTAINERS, hashing: int = HASHING) -> None:
+    def __init__(
+        self, containers: int = CONTAINERS, hashing: int = HASHING, values: int = VALUES
+    ) -> None:
         self.containers = containers
         self.hashing = hashing
+        self.values = values
 
 
 def marshal_sound(data: bytes, budget: Budget | None = None) -> bool:
@@ -869,12 +876,13 @@ def marshal_sound(data: bytes, budget: Budget | None = None) -> bool:
     hashing work fit in what is left of ``budget`` (taken from it when they do; without one, in
     a fresh budget)."""
     end = len(data)
-    containers = hashing = 0
+    containers = hashing = values = 0
 
     def value(pos: int, depth: int) -> int | None:  # where the value at ``pos`` ends
-        nonlocal containers, hashing
+        nonlocal containers, hashing, values
         if depth > 100 or pos >= end:
             return None
+        values += 1
         code = data[pos] & 0x7F  # the FLAG_REF bit only marks the value for back-references
         pos += 1
         if code in _MARSHAL_FIXED:
@@ -897,21 +905,22 @@ def marshal_sound(data: bytes, budget: Budget | None = None) -> bool:
             pos += width
             if count < 0 or count > end - pos:  # every item takes at least one byte
                 return None
-            if code in (ord("<"), ord(">")):  # a set or frozenset: its items are hashed
-                hashing += count * count
+            start = pos
             for _ in range(count):
                 found = value(pos, depth + 1)
                 if found is None:
                     return None
                 pos = found
+            if code in (ord("<"), ord(">")):  # a set or frozenset: its items are hashed
+                hashing += count * (pos - start)
         elif code == ord("{"):
             containers += 1
-            pairs = 0
+            pairs, start = 0, pos
             while True:
                 if pos >= end:
                     return None
                 if data[pos] == ord("0"):  # the dict's end
-                    hashing += pairs * pairs
+                    hashing += pairs * (pos - start)
                     return pos + 1
                 pairs += 1
                 for _ in range(2):  # a key, then its value
@@ -926,11 +935,12 @@ def marshal_sound(data: bytes, budget: Budget | None = None) -> bool:
     if value(0, 0) != end:
         return False
     budget = budget if budget is not None else Budget()
-    if containers > budget.containers or hashing > budget.hashing:
-        budget.containers = budget.hashing = 0
+    if containers > budget.containers or hashing > budget.hashing or values > budget.values:
+        budget.containers = budget.hashing = budget.values = 0
         return False
     budget.containers -= containers
     budget.hashing -= hashing
+    budget.values -= values
     return True
 
 
