@@ -89,7 +89,7 @@ def _task(variant: str = "") -> Task:
     if variant == "new_test_file":
         # The failing test in a file of its own that the test_patch creates (same instance image).
         body = "from geometry import rectangle_area\n\n\ndef test_rectangle_area_non_square():\n"
-        body += "    assert rectangle_area(3, 5) == 15\n"
+        body += "    assert rectangle_area(4, 6) == 24\n"
         lines = body.splitlines()
         patch = (
             "diff --git a/tests/test_area.py b/tests/test_area.py\nnew file mode 100644\n"
