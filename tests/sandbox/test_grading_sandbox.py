@@ -20,6 +20,8 @@ from sandbox_fixtures import (  # noqa: F401  (fixtures are found by name)
 )
 
 from legorl.sandbox.common import JUDGED_DIR_PREFIX, JUDGED_UID
+from legorl.verify import runner
+from legorl.verify.tree import GRADE_DIR
 
 # Tries to create a file in each folder named on the command line (a .pth where Python would
 # run it at startup); prints what it managed. The folders come from the env's own Python.
@@ -204,6 +206,30 @@ def test_no_bytecode_cache_is_read_from_the_repository(backend: Any) -> None:
         # -I ignores the environment's prefix (documented on Sandbox): -X pycache_prefix holds.
         assert isolated == "stale\n"
         assert isolated_x == "fresh\n"
+
+    run(go())
+
+
+def test_sealing_removes_the_repositorys_bytecode_for_the_judged_run(backend: Any) -> None:
+    # The grader's judged interpreter (`runner._python`: -I -B, no prefix) reads the
+    # environment's own caches; the repository's are gone once grading seals the tree.
+    async def go() -> None:
+        box = await _start(backend, grading=True)
+        try:
+            await _ok(box, ["python", "-c", _PLANT])
+            before = await _ok(
+                box, "python -I -B -c 'import sys; sys.path.insert(0, \".\"); import mod'"
+            )
+            await _ok(box, f"mkdir -p {GRADE_DIR}")
+            await runner._seal(box, GRADE_DIR, None)
+            command = runner._python(["-c", "import sys; sys.path.insert(0, '.'); import mod"])
+            judged = await _ok(box, command, judged=True)
+            left = await _ok(box, "find /testbed -name '*.pyc' | wc -l")
+        finally:
+            await box.close()
+        assert before == "stale\n"  # the plant is what an unsealed run would have read
+        assert judged == "fresh\n"
+        assert left.strip() == "0"
 
     run(go())
 

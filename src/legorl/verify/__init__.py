@@ -15,7 +15,8 @@ them with the literals it holds and the task's gold record (``gold.py``: two run
 patch in sandboxes of their own, cached), in the gold run's number and order. A required test
 passes when its in-process outcome (signed records) is ``passed`` and its assertions hold out
 of process; one no assertion of which the judge can make is ``unverified`` unless the task
-declares it uncoverable. Trajectories with environment-failure statuses pass through with
+declares it uncoverable. A pass also needs the ordinary run (``ordinary.py``: the task's own
+command in a fresh ordinary sandbox) to pass what the gold patch passes there. Trajectories with environment-failure statuses pass through with
 reward null; any other null (or an exception while grading) stands only when the control
 gradings fail too (the gold record's runs; the empty patch, ``control.py``): otherwise it is
 the patch's 0, flagged ``grading_failed``.
@@ -37,6 +38,7 @@ from legorl.records import ENVIRONMENT_FAILURES, Task, Trajectory, Turn
 from legorl.verify import assertions
 from legorl.verify.control import Controls, graded_or_control
 from legorl.verify.gold import GoldRecord, GoldRun, GoldStore
+from legorl.verify.ordinary import OrdinaryRun, ordinary_run, vetoed
 from legorl.verify.runner import (
     TestRun,
     forged_printed,
@@ -247,7 +249,32 @@ async def gold_record(
             )
         return GoldRun(ok=True, sources=run.sources, records=found)
 
-    return await gold_store(config, backend).get(task, record_run, config.defences_off)
+    async def gold_ordinary() -> OrdinaryRun:
+        return await _ordinary(task, task.patch, backend, tasks_dir, f"{run_id}-gold", config)
+
+    plain = None if "ordinary_run" in config.defences_off else gold_ordinary
+    return await gold_store(config, backend).get(task, record_run, config.defences_off, plain)
+
+
+async def _ordinary(
+    task: Task,
+    patch: str,
+    backend: SandboxBackend,
+    tasks_dir: str,
+    run_id: str,
+    config: VerifyConfig,
+) -> OrdinaryRun:
+    return await ordinary_run(
+        task,
+        patch,
+        backend=backend,
+        tasks_dir=tasks_dir,
+        run_id=run_id,
+        timeout=config.test_timeout,
+        limits=config.limits,
+        runners=resolve(task).runner_paths(),
+        defences_off=config.defences_off,
+    )
 
 
 async def grade(
@@ -368,6 +395,21 @@ async def _grade_once(
     )
     flags.update(runner_flags)
     resolved = all(o == "passed" for o in tests.values())
+    if resolved and record is not None and "ordinary_run" not in config.defences_off:
+        # A pass also needs the task's own command, run as the environment runs it.
+        plain = await _ordinary(task, traj.patch, backend, tasks_dir, run_id, config)
+        if plain.error:
+            verdict["reason"] = plain.error
+            return _done(traj, None, verdict, flags, t0)
+        missing = vetoed(plain, record.ordinary)
+        notes["ordinary"] = {"exit_code": plain.exit_code, "timed_out": plain.timed_out}
+        if plain.unread:
+            notes["ordinary"]["unread"] = plain.unread
+        if missing:
+            flags.add("ordinary_failed")
+            notes["ordinary"]["failed"] = missing[:20]
+            tests = {t: ("failed_ordinarily" if t in missing else o) for t, o in tests.items()}
+            resolved = False
     verdict.update(resolved=resolved, tests=tests, **notes)
     if not resolved:
         bad = sorted(t for t, o in tests.items() if o != "passed")

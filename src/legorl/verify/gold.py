@@ -1,7 +1,7 @@
 """The gold record: what the task's gold patch's runs recorded, the expectation every candidate
 of that task is judged against (`assertions.py`). Recorded once per task and grader version,
 in two judged runs of the gold patch and one of the empty patch, each in a fresh grading
-sandbox of its own, and cached on disk.
+sandbox of its own, then the gold patch's ordinary run (`ordinary.py`), and cached on disk.
 
     record = await store.get(task, record_run)   # record_run(inproc) -> GoldRun
 
@@ -23,18 +23,27 @@ import asyncio
 import hashlib
 import json
 import os
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from legorl.records import Task
 from legorl.verify import assertions
+from legorl.verify.ordinary import OrdinaryRun
 
 HERE = Path(__file__).resolve().parent
 #: The grading switches (`runner.DEFENCES`) that change what the gold record's runs are.
 PLAN_SWITCHES = frozenset({"held_tables"})
-_GRADER_FILES = ("assertions.py", "operands.py", "bootstrap.py", "runner.py", "gold.py", "tree.py")
+_GRADER_FILES = (
+    "assertions.py",
+    "operands.py",
+    "bootstrap.py",
+    "runner.py",
+    "gold.py",
+    "tree.py",
+    "ordinary.py",
+)
 
 
 @dataclass(slots=True)
@@ -74,6 +83,9 @@ class GoldRecord:
     runs: list[list[dict[str, Any]]]
     untabled: list[str] = field(default_factory=list)  # functions whose tables stay as written
     empty: list[dict[str, Any]] | None = None  # the empty patch's run, planned as run 2
+    #: required tests the gold patch passes in its ordinary run (`ordinary.py`), which a
+    #: candidate's ordinary run must pass too
+    ordinary: list[str] = field(default_factory=list)
 
     def gold(self) -> assertions.Gold:
         return assertions.Gold(
@@ -141,15 +153,20 @@ class GoldStore:
         os.replace(tmp, self._path(key))
 
     async def get(
-        self, task: Task, record_run: Recorder, off: frozenset[str] = frozenset()
+        self,
+        task: Task,
+        record_run: Recorder,
+        off: frozenset[str] = frozenset(),
+        ordinary: Callable[[], Awaitable[OrdinaryRun]] | None = None,
     ) -> GoldRecord:
-        """The task's gold record, recorded with ``record_run(inproc, sources)`` when missing."""
+        """The task's gold record, recorded with ``record_run(inproc, sources)`` (and the gold
+        patch's ordinary run, ``ordinary()``) when missing."""
         key = task_key(task, self.backend, off)
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
             found = self._memory.get(key) or self._load(key)
             if found is None:
-                found = await self._record(task, record_run)
+                found = await self._record(task, record_run, ordinary)
                 if not found.ok:
                     return found  # a failure is this moment's: the next grading records again
                 self._save(key, found)
@@ -160,6 +177,7 @@ class GoldStore:
         self,
         task: Task,
         record_run: Recorder,
+        ordinary: Callable[[], Awaitable[OrdinaryRun]] | None,
     ) -> GoldRecord:
         if not task.patch.strip():
             return GoldRecord(False, "the task has no gold patch", {}, [], [])
@@ -208,6 +226,14 @@ class GoldStore:
             return GoldRecord(
                 False, f"the empty patch's run failed here: {empty.reason}", first.sources, [], []
             )
+        passes: list[str] = []
+        if ordinary is not None:
+            plain = await ordinary()
+            if plain.error:
+                return GoldRecord(
+                    False, f"the gold patch's ordinary run failed here: {plain.error}", {}, [], []
+                )
+            passes = sorted(plain.passed)
         return GoldRecord(
             True,
             "",
@@ -216,4 +242,5 @@ class GoldStore:
             runs,
             sorted(untabled),
             _assertion_records(empty.records),
+            passes,
         )

@@ -21,7 +21,8 @@ the plugin looked up by name), ``integrity`` (the guard's ``tampered`` records),
 (the sandbox's real exit code against the outcomes and the signed finish), ``audit_pytest`` (the
 in-process audit hook, `audit.py`), ``xfail_is_failure`` (an expected failure of a unittest
 test is not a pass), ``unittest_stream`` (off: a unittest-based runner is graded from its
-printed output alone, as the official harness grades it).
+printed output alone, as the official harness grades it), ``ordinary_run`` (off: a pass needs
+no ordinary run of the task's own command, `ordinary.py`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ DEFENCES = frozenset(
         "audit_pytest",
         "xfail_is_failure",
         "unittest_stream",
+        "ordinary_run",
     }
 )
 _EXTRA = ["-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", "."]
@@ -105,11 +107,10 @@ def _test_command(task: Task, grader: Grader, off: frozenset[str]) -> str:
 
 
 def _python(args: list[str]) -> str:
-    """The judged interpreter's command line: isolated (``-I`` also ignores
-    ``PYTHONPYCACHEPREFIX``, so the judged user's private cache folder is given with ``-X``:
-    no bytecode is read from the repository), writing none."""
-    prefix = '-X pycache_prefix="$PYTHONPYCACHEPREFIX"'
-    return f"python -I -B {prefix} {shlex.join(args)}"
+    """The judged interpreter's command line: isolated, writing no bytecode. It reads the
+    environment's own caches (the image's, read-only) and none of the repository's, which
+    sealing removed (`_seal`)."""
+    return f"python -I -B {shlex.join(args)}"
 
 
 @dataclass(slots=True)
@@ -145,8 +146,9 @@ async def sources_of(sandbox: Sandbox, paths: list[str]) -> dict[str, str]:
 
 
 async def _seal(sandbox: Sandbox, grade_dir: str, plan: assertions.Plan | None) -> None:
-    """The rewritten test files in place, and grading's own folder root's alone, in one
-    command (a tar of the files on stdin)."""
+    """The rewritten test files in place, the repository's bytecode caches removed (the
+    judged run writes none and so reads none of it), and grading's own folder root's alone,
+    in one command (a tar of the files on stdin)."""
     import io
     import tarfile
 
@@ -157,8 +159,10 @@ async def _seal(sandbox: Sandbox, grade_dir: str, plan: assertions.Plan | None) 
             info = tarfile.TarInfo(path)
             info.size, info.mode = len(data), 0o644
             tar.addfile(info, io.BytesIO(data))
+    repo = shlex.quote(sandbox.workdir)
     script = (
-        f"tar -x -C {shlex.quote(sandbox.workdir)} -f - && chmod -R go-rwx {shlex.quote(grade_dir)}"
+        f"tar -x -C {repo} -f - && find {repo} -name __pycache__ -type d -prune -exec rm -rf {{}} +"
+        f" && chmod -R go-rwx {shlex.quote(grade_dir)}"
     )
     result = await sandbox.exec(["sh", "-c", script], timeout=60, stdin=buf.getvalue())
     if result.exit_code != 0:

@@ -1,0 +1,151 @@
+"""The ordinary run: the task's own test command, run as the task's environment runs it, whose
+outcome a pass also needs. Called by ``grade()`` once the judged run passes:
+
+    run = await ordinary_run(task, patch, backend=…, tasks_dir=…, run_id=…, config=…, runners=…)
+    failing = vetoed(run.passed, record.ordinary)   # required tests the gold passes here, not it
+
+The judged run (`runner.py`) is recognisable to code that looks: it runs as an unprivileged
+user on a read-only root, through our bootstrap, with the tests rewritten. A patch can fix
+the bug only there and keep it everywhere else. The ordinary run closes that: a fresh sandbox
+from the pristine image, its root writable, the tests as the test_patch wrote them, the
+command as the task gives it, run by the image's own user with no environment of ours. A
+required test the gold patch passes in its ordinary run must pass in the candidate's too.
+
+The ordinary run can only take a pass away, never give one: its outcomes are read from what
+it printed (pytest's ``-rA`` summary, unittest's verbose lines, or the task's official parser,
+capped), which the code under test could forge, so a forgery there gains nothing the judged
+run has not already granted. It is not run for a candidate the judged run failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+from legorl.protocols import Limits, Sandbox, SandboxBackend, SandboxError
+from legorl.records import Task
+from legorl.verify.specs import Grader, parse_capped, resolve
+from legorl.verify.tree import apply_model_patch, apply_test_patch
+
+#: Lines longer than this are not read (a reading linear in what the run printed).
+LINE = 4096
+#: Status words of pytest's summary lines and unittest's verbose lines, as outcomes.
+_PYTEST = {"PASSED": "passed", "XFAIL": "passed", "FAILED": "failed", "ERROR": "error"}
+_UNITTEST = {"ok": "passed", "expected failure": "passed", "FAIL": "failed", "ERROR": "error"}
+
+
+@dataclass(slots=True)
+class OrdinaryRun:
+    """What the task's own command printed, read as required test -> outcome."""
+
+    outcomes: dict[str, str] = field(default_factory=dict)
+    error: str = ""  # the run could not be made (an environment failure of grading)
+    unread: str = ""  # why what it printed gave no reading (a parser's cap: the run's doing)
+    exit_code: int | None = None
+    timed_out: bool = False
+
+    @property
+    def passed(self) -> set[str]:
+        return {t for t, o in self.outcomes.items() if o == "passed"}
+
+
+def read_pytest(log: str, required: set[str]) -> dict[str, str]:
+    """Required tests' outcomes from pytest's ``-rA`` summary (``PASSED id``) and verbose
+    lines (``id PASSED``); a test read both ways is not passed."""
+    out: dict[str, str] = {}
+    for line in log.splitlines():
+        if len(line) > LINE:
+            continue
+        words = line.split()
+        for i, word in enumerate(words):
+            status = _PYTEST.get(word)
+            if status is None:
+                continue
+            for near in (
+                words[i + 1] if i == 0 and len(words) > 1 else None,
+                words[i - 1] if i else None,
+            ):
+                if near in required:
+                    _note(out, near, status)
+    return out
+
+
+def read_unittest(log: str, required: set[str]) -> dict[str, str]:
+    """Required tests' outcomes from unittest's verbose lines (``name (id) ... ok``), where a
+    task names a test as the line does."""
+    out: dict[str, str] = {}
+    for line in log.splitlines():
+        if len(line) > LINE or " ... " not in line:
+            continue
+        name, _, status = line.rpartition(" ... ")
+        outcome = _UNITTEST.get(status.strip())
+        if outcome is not None and name.strip() in required:
+            _note(out, name.strip(), outcome)
+    return out
+
+
+def _note(out: dict[str, str], test: str, status: str) -> None:
+    if out.get(test, "passed") == "passed":  # any other word read for it stands
+        out[test] = status
+
+
+async def read(grader: Grader, log: str, task: Task) -> tuple[dict[str, str], str | None]:
+    """The required tests' outcomes the ordinary run printed: the task's official parser when
+    it has one (capped, `specs.parse_capped`), else pytest's or unittest's own lines."""
+    required = {*task.FAIL_TO_PASS, *task.PASS_TO_PASS}
+    if grader.parser is not None:
+        parsed, error = await parse_capped(grader.parser, log, task)
+        words = {"PASSED": "passed", "XFAIL": "passed", "FAILED": "failed", "ERROR": "error"}
+        return {t: words.get(s, "skipped") for t, s in parsed.items() if t in required}, error
+    if grader.kind == "pytest":
+        return read_pytest(log, required), None
+    return read_unittest(log, required), None
+
+
+async def ordinary_run(
+    task: Task,
+    patch: str,
+    *,
+    backend: SandboxBackend,
+    tasks_dir: str,
+    run_id: str,
+    timeout: float,
+    limits: Limits | None,
+    runners: frozenset[str],
+    defences_off: frozenset[str] = frozenset(),
+) -> OrdinaryRun:
+    """The task's own command on ``patch`` (judged as a tree the same way) and its test_patch,
+    in a fresh ordinary sandbox, read back; the sandbox is closed after."""
+    out = OrdinaryRun()
+    sandbox: Sandbox | None = None
+    try:
+        grader = resolve(task)
+        sandbox = await backend.start(
+            task, tasks_dir, run_id=f"{run_id}-ordinary", proxy_url=None, limits=limits
+        )
+        judged = await apply_model_patch(
+            sandbox, task, patch, defences_off=defences_off, runners=runners
+        )
+        if judged.method is None:  # it applied for the judged run: this run's failure
+            out.error = f"the patch does not apply: {judged.error}"
+            return out
+        applied, error = await apply_test_patch(sandbox, task, defences_off=defences_off)
+        if applied is None:
+            out.error = f"the task's test_patch does not apply: {error}"
+            return out
+        run = await sandbox.exec(["sh", "-c", grader.command], timeout=timeout, cwd=sandbox.workdir)
+        out.exit_code, out.timed_out = run.exit_code, run.timed_out
+        out.outcomes, unread = await read(grader, run.output, task)
+        out.unread = unread or ""
+    except SandboxError as exc:
+        out.error = f"the ordinary run's sandbox failed: {exc}"
+    finally:
+        if sandbox is not None:
+            with contextlib.suppress(Exception):
+                await sandbox.close()
+    return out
+
+
+def vetoed(candidate: OrdinaryRun, gold_passes: list[str]) -> list[str]:
+    """The required tests the gold patch's ordinary run passes and the candidate's does not."""
+    return [t for t in gold_passes if t not in candidate.passed]

@@ -1,0 +1,101 @@
+"""The ordinary run (`legorl.verify.ordinary`): a pass also needs the task's own command, run as
+its environment runs it in a fresh sandbox, to pass what the gold patch passes there. A patch
+that fixes the bug only where it sees the judged run's tells (the sender in builtins, an
+isolated interpreter, a user other than the image's) keeps 1.0 with the run switched off (the
+control) and gets 0 with it, in real Docker and in bubblewrap. The printed-output readers are
+checked on text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import grade_patch, sandbox_backend
+
+from legorl.records import Task, read_jsonl
+from legorl.verify import VerifyConfig
+from legorl.verify.ordinary import LINE, read_pytest, read_unittest
+
+ROOT = Path(__file__).resolve().parents[2]
+TASKS = ROOT / "fixtures" / "tasks"
+TASK_ID = "legorl-toy__geometry-1"
+F2P = "tests/test_geometry.py::test_rectangle_area_non_square"
+
+#: The fix, made only where the judged run's tells show (the bug kept everywhere else).
+RIGHT_WHILE_GRADED = textwrap.dedent(
+    """\
+    diff --git a/geometry.py b/geometry.py
+    --- a/geometry.py
+    +++ b/geometry.py
+    @@ -6,2 +6,5 @@ def rectangle_area(width, height):
+         \"\"\"Return the area of a width x height rectangle.\"\"\"
+    +    import builtins, os, sys
+    +    if os.getuid() != 0 or sys.flags.isolated or hasattr(builtins, "__leg" + "orl__"):
+    +        return width * height
+         return width + height
+    """
+)
+
+
+def _task() -> Task:
+    return next(t for t in read_jsonl(TASKS / "train.jsonl", Task) if t.instance_id == TASK_ID)
+
+
+def _grade(patch: str, backend: str, off: frozenset[str] = frozenset()):
+    graded = grade_patch(
+        _task(),
+        patch,
+        backend=sandbox_backend(backend),
+        tasks_dir=TASKS,
+        config=VerifyConfig(defences_off=off),
+        run_id="legorl-test-ordinary",
+        trajectory_id="ordinary",
+    )
+    return asyncio.run(graded)
+
+
+@pytest.mark.parametrize("backend", ["docker", "local"])
+def test_a_fix_made_only_while_judged_fails_the_ordinary_run(backend: str) -> None:
+    got = _grade(RIGHT_WHILE_GRADED, backend)
+    assert got.reward == 0.0, got.verdict
+    assert "ordinary_failed" in got.hack_flags
+    assert got.verdict["tests"][F2P] == "failed_ordinarily"
+    assert got.verdict["ordinary"]["failed"] == [F2P]
+    # The control: without the ordinary run the judged run alone passes it.
+    control = _grade(RIGHT_WHILE_GRADED, backend, off=frozenset({"ordinary_run"}))
+    assert control.reward == 1.0, control.verdict
+    assert "ordinary" not in control.verdict
+    # The gold fix passes both runs; a failing candidate is never run ordinarily.
+    gold = _grade(_task().patch, backend)
+    assert gold.reward == 1.0, gold.verdict
+    assert gold.verdict["ordinary"] == {"exit_code": 0, "timed_out": False}
+    empty = _grade("", backend)
+    assert empty.reward == 0.0 and "ordinary" not in empty.verdict
+
+
+def test_pytest_lines_read_as_outcomes() -> None:
+    required = {"t.py::a", "t.py::b", "t.py::c", "t.py::d"}
+    log = "\n".join(
+        [
+            "t.py::a PASSED",  # verbose
+            "PASSED t.py::b",  # -rA summary
+            "PASSED t.py::c",
+            "FAILED t.py::c - assert 2 == 3",  # read both ways: not a pass
+            "PASSED t.py::x",  # not required
+            "PASSED " + "t.py::d" + " " * LINE,  # past the line limit: not read
+        ]
+    )
+    assert read_pytest(log, required) == {
+        "t.py::a": "passed",
+        "t.py::b": "passed",
+        "t.py::c": "failed",
+    }
+
+
+def test_unittest_lines_read_as_outcomes() -> None:
+    a, b, c = "test_a (m.T.test_a)", "test_b (m.T.test_b)", "test_c (m.T.test_c)"
+    log = f"{a} ... ok\n{b} ... FAIL\n{c} ... ok\n{c} ... ERROR\nnoise ... ok\n"
+    assert read_unittest(log, {a, b, c}) == {a: "passed", b: "failed", c: "error"}
