@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_task
+from conftest import run_task, sandbox_backend
 
 from legorl.engines import make_engine
 from legorl.harnesses.testing import ScriptedHarness
@@ -197,13 +197,6 @@ def test_plan_skips_done_runs_and_respects_limit() -> None:
     ]
 
 
-def _docker_or_skip() -> None:
-    if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
-        if os.environ.get("CI") == "true":
-            pytest.fail("the Docker daemon is not running (.ci/run starts it)")
-        pytest.skip("no Docker daemon")
-
-
 def _docker_boxes_of(pid: int) -> list[str]:
     """Containers (any state) labelled as started by process ``pid`` of this host."""
     listed = subprocess.run(
@@ -223,7 +216,7 @@ def _docker_boxes_of(pid: int) -> list[str]:
 @pytest.mark.parametrize("sandbox", ["local", "docker"])
 def test_kill_9_mid_run_then_resume_loses_nothing(tmp_path: Path, sandbox: str) -> None:
     if sandbox == "docker":
-        _docker_or_skip()
+        sandbox_backend("docker")  # skips, or fails under CI, without a daemon
     # Slow agents (a scripted sleep) so the kill lands while runs are in flight.
     args = [
         "--tasks",

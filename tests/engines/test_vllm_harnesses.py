@@ -17,7 +17,6 @@ import asyncio
 import json
 import os
 import re
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
+from conftest import sandbox_backend
 from test_vllm_real import ROOT, legorl, vllm_python
 
 from legorl.records import Trajectory, Turn, read_jsonl, write_jsonl
@@ -43,13 +43,6 @@ EPISODE_TURNS = 3  # calls per episode; the next one ends it as truncated
 # its 300 s step timeout on the shared CI machine. Its own ``--tools`` sends one tool's schema.
 HARNESS_OPTS = {"claude-code": ["tools=Bash"], "opencode": [], "openhands-sdk": []}
 POLICY = ("ok", "agent_error", "truncated")  # ends that are the policy's, not the environment's
-
-
-def _need_docker() -> None:
-    if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
-        if os.environ.get("CI") == "true":
-            pytest.fail("the Docker daemon is not running (.ci/run starts it)")
-        pytest.skip("no Docker daemon")
 
 
 @dataclass
@@ -72,7 +65,7 @@ class Server:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     from legorl.engines import make_engine
 
-    _need_docker()
+    sandbox_backend("docker")  # skips, or fails under CI, without a daemon
     log = tmp_path_factory.mktemp("vllm") / "vllm-server.log"
     engine: Any = make_engine(
         "vllm",

@@ -177,3 +177,80 @@ def test_the_async_loop_ends_by_itself_when_its_vllm_server_dies(tmp_path: Path)
     while _session_pids(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _session_pids(proc.pid) == []
+
+
+def test_an_async_lora_loop_on_real_vllm_samples_each_episode_on_one_adapter(
+    tmp_path: Path,
+) -> None:
+    # --async --max-staleness 1 with --lora: the loop starts vLLM with --enable-lora and
+    # max_loras covering K + 1 adapter versions, loads each new adapter at runtime, and an
+    # episode admitted under an older adapter finishes on it.
+    _need_bwrap()
+    run = tmp_path / "run"
+    done = legorl(
+        "loop", "--engine", "vllm", "--engine-opt", f"python={vllm_python()}",
+        "--engine-opt", "max_model_len=4096", "--model", str(MODEL), "--tasks-dir", str(TASKS),
+        "--out", str(run), "--iterations", "3", "--group-size", "2",
+        "--tasks-per-iteration", "1", "--eval-samples", "1", "--eval-limit", "1",
+        "--max-turns", "2", "--max-tokens", "24", "--concurrency", "2", "--timeout", "300",
+        "--sandbox", "local", "--async", "--max-staleness", "1", "--lora",
+        "drop_zero_variance_groups=false", "entropy_coef=0.01", "lora_rank=4",
+        timeout=1800,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    server_log = (run / "vllm-server.log").read_text()
+    assert "--enable-lora" in server_log and "--max-loras 2" in server_log, server_log[:2000]
+    state = json.loads((run / "state.json").read_text())
+    assert state["finished"] == 3 and state["policy_version"] == 3
+    for it in state["iterations"]:
+        assert set(it["staleness"]) <= {"0", "1"}, it["staleness"]
+    for k in (1, 2, 3):
+        folder = run / f"iter-{k:03d}"
+        sessions: dict[str, set[tuple[int, str | None, int | None]]] = {}
+        for path in (folder / "turns").glob("*.jsonl"):
+            for t in read_jsonl(path, Turn):
+                used = (t.policy_version, t.adapter, t.adapter_version)
+                sessions.setdefault(path.stem, set()).add(used)
+        assert sessions
+        for sid, used in sessions.items():
+            assert len(used) == 1, (sid, used)  # one adapter version the whole episode
+            ((version, adapter, adapter_version),) = used
+            # version 0 is the base model; every later one its adapter, by number
+            assert (adapter, adapter_version) == (
+                (None, None) if version == 0 else ("policy", version)
+            )
+            # sampled at most K = 1 step behind: step k trains on version k-1 or k-2
+            assert version in (k - 1, k - 2), (k, version)
+    # On-policy at step 1 (the base model served and trained from): trainer and vLLM agree.
+    assert state["iterations"][0]["rollout_trainer_pearson"] >= 0.999
+    # Later steps train a step behind, so the trainer's figure measures the policy's move too.
+    # What vLLM served is each episode's own adapter version: a forward of that adapter scores
+    # its tokens, and the version before it does not.
+    checked = set()
+    for k in (2, 3):
+        for path in sorted((run / f"iter-{k:03d}" / "turns").glob("*.jsonl")):
+            turn = next(iter(read_jsonl(path, Turn)))
+            v = turn.policy_version
+            if v == 0 or v in checked or turn.prompt_offset != 0:
+                continue
+            checked.add(v)
+            own = _gap(run / f"iter-{v:03d}" / "checkpoint", turn)
+            before = _gap(MODEL if v == 1 else run / f"iter-{v - 1:03d}" / "checkpoint", turn)
+            assert own < 1e-3, (v, own)
+            assert before > 10 * own, (v, own, before)
+    assert checked, "no episode was sampled through an adapter"
+
+
+def _gap(policy: Path, turn: Turn) -> float:
+    """Mean |served - recomputed| log-prob of ``turn``'s completion under ``policy`` (a model
+    folder, or an adapter folder merged onto its base), fp32, T = 1."""
+    import torch
+
+    from legorl.train.lora import load_merged
+
+    lm = load_merged(policy, attention="sdpa").float().eval()
+    prompt, ids = list(turn.prompt_delta), list(turn.completion_ids)
+    with torch.no_grad():
+        logits = lm(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
+    lps = logits.log_softmax(-1).gather(1, torch.tensor(ids)[:, None])[:, 0]
+    return float((lps - torch.tensor(turn.completion_logprobs)).abs().mean())
