@@ -37,9 +37,9 @@ BUDGET = ["--iterations", "6", "--eval-samples", "2"]
 #: name -> the loop's LoRA options (the temperature factor stays frozen under --lora).
 SWEEP: dict[str, list[str]] = {
     "r8-all-lr3e-3": ["--lr", "3e-3", "lora_rank=8"],
-    "r8-all-lr1e-2": ["--lr", "1e-2", "lora_rank=8"],
-    "r1-all-lr1e-2": ["--lr", "1e-2", "lora_rank=1", "lora_alpha=4"],
-    "r8-attn-lr3e-3": ["--lr", "3e-3", "lora_rank=8", "lora_targets=(q|k|v|o)_proj$"],
+    "r8-all-lr1e-3": ["--lr", "1e-3", "lora_rank=8"],
+    "r8-all-lr3e-4": ["--lr", "3e-4", "lora_rank=8"],
+    "r1-all-lr1e-3": ["--lr", "1e-3", "lora_rank=1", "lora_alpha=4"],
 }
 
 

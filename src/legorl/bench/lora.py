@@ -151,11 +151,76 @@ def _vllm(model: Path, full: Path, adapter: Path, rounds: int, work: Path) -> di
                 "base_tokens_per_s": round(statistics.median(base), 1),
                 "adapter_tokens_per_s": round(statistics.median(lora), 1),
                 "tokens_per_s_ratio": round(statistics.median(lora) / statistics.median(base), 4),
+                "cpu_lora_ops": _cpu_lora_ops(python, model, 5 if rounds == 1 else 30),
             }
         finally:
             await engine.close()
 
     return asyncio.run(run())
+
+
+#: vLLM's CPU LoRA kernels (``vllm.lora.ops.torch_ops``: shrink and expand) on one projection
+#: of the bench model, against the same adapter as two plain matmuls and against the base
+#: layer's matmul, in vLLM's own interpreter. Prints a JSON object.
+_CPU_LORA_OPS = """
+import json, sys, time, torch
+from vllm.lora.ops.torch_ops import bgmv_expand, bgmv_shrink
+torch.manual_seed(0)
+hidden, out_dim, rank, slots, reps = (int(x) for x in sys.argv[1:6])
+result = {}
+for name, tokens in (("prefill_2400_tokens", 2400), ("decode_8_tokens", 8)):
+    x = torch.randn(tokens, hidden)
+    a, b = torch.randn(slots, rank, hidden), torch.randn(slots, out_dim, rank)
+    w = torch.randn(out_dim, hidden)
+    which = torch.zeros(tokens, dtype=torch.long)
+    mid, y = torch.zeros(tokens, rank), torch.zeros(tokens, out_dim)
+
+    def vllm_ops():
+        bgmv_shrink(x, a, mid, which, 1.0)
+        bgmv_expand(mid, b, y, which, True)
+
+    def two_matmuls():
+        y.add_((x @ a[0].T) @ b[0].T)
+
+    def base():
+        return x @ w.T
+
+    times = {}
+    for label, fn in (("vllm_ops", vllm_ops), ("two_matmuls", two_matmuls), ("base", base)):
+        fn()
+        samples = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+        times[label] = sorted(samples)[len(samples) // 2]
+    result[name] = {
+        "vllm_ops_ms": round(times["vllm_ops"] * 1e3, 4),
+        "two_matmuls_ms": round(times["two_matmuls"] * 1e3, 4),
+        "base_matmul_ms": round(times["base"] * 1e3, 4),
+        "vllm_ops_over_two_matmuls": round(times["vllm_ops"] / times["two_matmuls"], 2),
+        "vllm_ops_over_base": round(times["vllm_ops"] / times["base"], 2),
+        "gathered_mb": round(tokens * (rank * hidden + out_dim * rank) * 4 / 1e6, 2),
+    }
+print(json.dumps(result))
+"""
+
+
+def _cpu_lora_ops(python: str, model: Path, reps: int) -> dict[str, Any]:
+    """Why vLLM-CPU samples slower through an adapter: its CPU LoRA kernels gather a copy of
+    the adapter's matrices for every token (``lora_b_weights[indices]``, then a batched
+    ``einsum``), instead of one matmul per adapter. Timed on the model's MLP up projection."""
+    import json
+    import subprocess
+
+    cfg = json.loads((model / "config.json").read_text())
+    args = [cfg["hidden_size"], cfg["intermediate_size"], RANK, 2, reps]
+    done = subprocess.run(
+        [python, "-c", _CPU_LORA_OPS, *map(str, args)], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        return {"error": done.stderr.strip()[-400:]}
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 def bench_lora(quick: bool = False) -> dict[str, Any]:
