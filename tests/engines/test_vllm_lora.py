@@ -19,7 +19,7 @@ from test_vllm_real import vllm_python
 
 from legorl.engines.models import load_tokenizer
 from legorl.engines.vllm_client import VllmConfig, VllmEngine
-from legorl.protocols import ConfigError, EngineRequestError
+from legorl.protocols import ConfigError, EngineError, EngineRequestError
 from legorl.proxy.core import ProxyConfig, ProxyCore
 from legorl.records import Turn, read_jsonl
 
@@ -204,3 +204,13 @@ def test_keep_versions_beyond_max_loras_is_refused_by_name() -> None:
     config = VllmConfig(model_path=str(MODEL), lora=True, max_loras=2, keep_versions=3)
     with pytest.raises(ConfigError, match="max_loras=2 is fewer than the keep_versions=3"):
         VllmEngine(config)
+
+
+def test_a_server_at_base_url_with_too_few_adapter_slots_is_refused(engine: VllmEngine) -> None:
+    # The module's server runs --max-loras 3 (its /server_info says so): a client whose
+    # requests may use 4 adapter versions at once is refused by the server's own figure.
+    ok = VllmConfig(base_url=engine.base_url, lora=True, max_loras=3, keep_versions=3)
+    asyncio.run(VllmEngine(ok).close())
+    many = VllmConfig(base_url=engine.base_url, lora=True, max_loras=4, keep_versions=4)
+    with pytest.raises(EngineError, match="runs --max-loras 3, fewer than the 4 adapter"):
+        VllmEngine(many)

@@ -565,6 +565,11 @@ def test_adapters_asked_of_a_server_without_lora_support_are_refused(
         asyncio.run(engine.load_weights(str(adapter)))
     assert "--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in str(err.value)
     assert engine.policy_version == 0 and engine.policy_adapter is None
+    # asked for adapters up front, the same server is refused as the client connects
+    from legorl.protocols import EngineError
+
+    with pytest.raises(EngineError, match="was started without --enable-lora, but lora=true"):
+        make_engine("vllm", base_url=fp32.vllm_url, lora=True)
 
 
 def test_the_vllm_process_dying_mid_run(bf16: Proxy, tmp_path: Path) -> None:

@@ -184,23 +184,23 @@ class VllmReplica:
 
     # ---- start-up (blocking) ------------------------------------------------------------------
 
-    def server_modes(self, timeout: float) -> tuple[str | None, bool]:
-        """``(--logprobs-mode, dev mode)`` from ``GET /server_info``; ``(None, False)`` when the
-        server is not in dev mode (then only the config can say)."""
+    def server_config(self, timeout: float) -> dict[str, Any] | None:
+        """The server's ``vllm_config`` from ``GET /server_info`` (``{}`` when it does not
+        parse); None when the server is not in dev mode (then only the config can say)."""
         url = f"{self.url}/server_info"
         try:
             response = httpx.get(
                 url, params={"config_format": "json"}, headers=self.headers, timeout=timeout
             )
         except httpx.HTTPError:
-            return None, False  # unreachable: describe says so
+            return None  # unreachable: describe says so
         if response.status_code != 200:
-            return None, False
+            return None
         try:
-            model_config = response.json()["vllm_config"]["model_config"]
-            return str(model_config["logprobs_mode"]), True
+            found = response.json()["vllm_config"]
         except (ValueError, KeyError, TypeError):
-            return None, True
+            return {}
+        return found if isinstance(found, dict) else {}
 
     def describe(self, model: str | None, max_context: int | None) -> tuple[str, int]:
         """The served model's name and context length from ``GET /v1/models`` (blocking)."""
@@ -679,8 +679,13 @@ def _launch(replica: VllmReplica, config: VllmConfig) -> tuple[VllmConfig, str, 
 
 def _settle_modes(replica: VllmReplica, config: VllmConfig) -> VllmConfig:
     """The log-prob mode and reload path of the server at ``replica.url``: what its
-    ``/server_info`` says (dev mode), checked against what the config claims."""
-    mode, dev = replica.server_modes(config.timeout_s)
+    ``/server_info`` says (dev mode), checked against what the config claims; with ``lora``,
+    its LoRA support and ``--max-loras`` against the adapter versions requests may use."""
+    found = replica.server_config(config.timeout_s)
+    dev = found is not None
+    mode: str | None = None
+    with contextlib.suppress(KeyError, TypeError):
+        mode = str((found or {})["model_config"]["logprobs_mode"])
     claimed = config.logprobs_mode
     if mode is not None and mode not in ("raw_logprobs", "processed_logprobs"):
         raise EngineError(
@@ -693,11 +698,31 @@ def _settle_modes(replica: VllmReplica, config: VllmConfig) -> VllmConfig:
             f"logprobs_mode={claimed} was given: its log-probs would be read wrongly; drop "
             "logprobs_mode (it is read from the server) or restart the server to match"
         )
+    if config.lora and found and "lora_config" in found:
+        _check_lora(replica.url, found["lora_config"], config.keep_versions)
     reload = config.weight_reload or ("collective_rpc" if dev else "none")
     settled: LogprobsMode = claimed or (
         "processed_logprobs" if mode == "processed_logprobs" else "raw_logprobs"
     )
     return dataclasses.replace(config, logprobs_mode=settled, weight_reload=reload)
+
+
+def _check_lora(url: str, lora_config: Any, versions: int) -> None:
+    """A server at ``base_url`` must serve adapters, ``versions`` of them at once."""
+    if not isinstance(lora_config, dict):
+        raise EngineError(
+            f"the vLLM server at {url} was started without --enable-lora, but lora=true asks "
+            f"for adapters: restart it with --enable-lora --max-loras {versions} (and "
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)"
+        )
+    most = lora_config.get("max_loras")
+    if isinstance(most, int) and most < versions:
+        raise EngineError(
+            f"the vLLM server at {url} runs --max-loras {most}, fewer than the {versions} "
+            "adapter versions requests may sample with at once (keep_versions; the "
+            "asynchronous loop keeps K + 1): restart it with --max-loras >= "
+            f"{versions}, or lower the staleness bound"
+        )
 
 
 def _servers(config: VllmConfig, n: int) -> list[VllmServer]:
