@@ -21,7 +21,7 @@ from typing import Any
 
 from legorl.records import Task, read_jsonl
 from legorl.sandbox import make_backend
-from legorl.verify import VerifyConfig, assertions, gold_record
+from legorl.verify import VerifyConfig, assertions, gold_record, rewrite
 from legorl.verify.runner import framing
 from legorl.verify.specs import resolve
 
@@ -33,9 +33,7 @@ SUITES = [
 ]
 
 
-def _counts(
-    task: Task, plan: assertions.Plan, gold: assertions.Gold, tests: list[str]
-) -> list[int]:
+def _counts(task: Task, plan: rewrite.Plan, gold: assertions.Gold, tests: list[str]) -> list[int]:
     """[events judged out of process, all events] of ``tests`` in the gold record."""
     out = [0, 0]
     for test in tests:
@@ -68,7 +66,7 @@ async def scan(path: Path, backend_name: str, cache: Path) -> list[dict[str, Any
             row: dict[str, Any] = {"id": task.instance_id, "ok": record.ok, "reason": record.reason}
             if record.ok:
                 required = task.FAIL_TO_PASS + task.PASS_TO_PASS
-                plan = assertions.plan_files(
+                plan = rewrite.plan_files(
                     required, record.sources, **framing(grader), inproc=set(record.inproc)
                 )
                 gold = record.gold()

@@ -18,7 +18,7 @@ from pathlib import Path
 from conftest import ROOT
 
 from legorl.records import Task, read_jsonl
-from legorl.verify import assertions
+from legorl.verify import assertions, rewrite
 from legorl.verify.parsers import PytestReportParser, records
 from legorl.verify.runner import LOADER, _bundle
 from legorl.verify.scans import constant_comparisons, runner_tamper_suspects
@@ -98,7 +98,7 @@ def _boot(repo: Path, *args: str, **options: object) -> subprocess.CompletedProc
     )
 
 
-def _judged_run(repo: Path, plan: assertions.Plan | None) -> tuple[list[dict], dict[str, str]]:
+def _judged_run(repo: Path, plan: rewrite.Plan | None) -> tuple[list[dict], dict[str, str]]:
     if plan is not None:
         for path, text in plan.files.items():
             (repo / path).write_text(text)
@@ -110,12 +110,12 @@ def _judged_run(repo: Path, plan: assertions.Plan | None) -> tuple[list[dict], d
 
 def _gold(
     tmp: Path, tests: str = LIB_TESTS, gold: str = GOLD, base: str = BASE
-) -> tuple[list[str], assertions.Plan, assertions.Gold]:
+) -> tuple[list[str], rewrite.Plan, assertions.Gold]:
     """The plan of the required tests in ``tests``, and the gold patch's record: two runs of
     ``gold`` and one of ``base`` (what the empty patch leaves)."""
     pristine = {TESTS: textwrap.dedent(tests)}
     required = [t for t in REQUIRED if t.split("::")[-1] in tests]
-    plan = assertions.plan_files(required, pristine, django=False, pytest=True, inproc=set())
+    plan = rewrite.plan_files(required, pristine, django=False, pytest=True, inproc=set())
     runs = []
     for _ in range(2):
         found, _ = _judged_run(_repo(tmp / "gold", gold, tests), plan)
@@ -225,7 +225,7 @@ def test_a_raised_message_is_checked_by_the_judge_not_the_tests_manager(tmp_path
 
 
 def test_literals_leave_the_test_file_and_the_judge_holds_them() -> None:
-    plan = assertions.plan_files(
+    plan = rewrite.plan_files(
         REQUIRED, {TESTS: textwrap.dedent(LIB_TESTS)}, django=False, pytest=True, inproc=set()
     )
     text = plan.files[TESTS]
@@ -233,7 +233,7 @@ def test_literals_leave_the_test_file_and_the_judge_holds_them() -> None:
         assert literal not in text, literal
     held = [v for s in plan.sites.values() for h, v in s.held if h]
     assert 15 in held and 12 in held and 10 in held and 9 in held
-    assert any(isinstance(v, assertions.Approx) and v.expected == 0.3 for v in held)
+    assert any(isinstance(v, rewrite.Approx) and v.expected == 0.3 for v in held)
 
 
 def test_equality_that_lies_never_reaches_the_judge(tmp_path: Path) -> None:
@@ -316,12 +316,12 @@ def test_plain_data_is_rebuilt_from_the_base_types_own_data() -> None:
 
 def test_unittest_and_django_names_locate_their_functions() -> None:
     unit = "test_escape (utils_tests.test_html.TestUtilsHtml.test_escape)"
-    assert assertions.locate(unit, django=True, pytest=False) == (
+    assert rewrite.locate(unit, django=True, pytest=False) == (
         "tests/utils_tests/test_html.py",
         "TestUtilsHtml.test_escape",
         "utils_tests.test_html.TestUtilsHtml.test_escape",
     )
-    assert assertions.locate("t/test_a.py::TestX::test_y[1-2]", django=False, pytest=True) == (
+    assert rewrite.locate("t/test_a.py::TestX::test_y[1-2]", django=False, pytest=True) == (
         "t/test_a.py",
         "TestX.test_y",
         "t/test_a.py::TestX::test_y[1-2]",

@@ -8,7 +8,7 @@ network); the model's patch refused unless it is well-formed ``diff --git`` text
 ``.git``, applied with `git apply` (then 3-way) and judged on the tree it produced
 (``tree.py``: changes to tests, runner configuration, the hidden ``test_patch``'s paths,
 ``.git``, compiled code and shadowing names reverted and flagged); ``test_patch`` applied; the
-required tests' files rewritten from their pristine source (``assertions.py``) and run as an
+required tests' files rewritten from their pristine source (``rewrite.py``) and run as an
 unprivileged user through our bootstrap, which comes in on stdin (``runner.py``,
 ``bootstrap.py``). Each assertion's operands leave the run as plain data and the judge compares
 them with the literals it holds and the task's gold record (``gold.py``: two runs of the gold
@@ -35,7 +35,7 @@ from typing import Any
 
 from legorl.protocols import Limits, Sandbox, SandboxBackend, SandboxError
 from legorl.records import ENVIRONMENT_FAILURES, Task, Trajectory, Turn
-from legorl.verify import assertions
+from legorl.verify import assertions, rewrite
 from legorl.verify.control import Controls, graded_or_control
 from legorl.verify.gold import GoldRecord, GoldRun, GoldStore
 from legorl.verify.ordinary import OrdinaryRun, ordinary_run, vetoed
@@ -99,7 +99,7 @@ async def _judged_run(
     run_id: str,
     config: VerifyConfig,
     runner_paths: frozenset[str],
-    plan_for: Callable[[dict[str, str]], assertions.Plan | None],
+    plan_for: Callable[[dict[str, str]], rewrite.Plan | None],
 ) -> _Run:
     """One verdict-bearing run in a fresh grading sandbox: ``patch`` applied and judged as a
     tree, the test_patch applied, the pristine test files read, the tests rewritten by
@@ -159,7 +159,7 @@ class _Run:
     judged: Judged | None = None
     error: str = ""  # an environment failure of grading
     sources: dict[str, str] = field(default_factory=dict)
-    plan: assertions.Plan | None = None
+    plan: rewrite.Plan | None = None
     test_run: TestRun | None = None
 
 
@@ -195,8 +195,8 @@ async def gold_record(
         *,
         empty: bool = False,
     ) -> GoldRun:
-        def plan_for(found: dict[str, str]) -> assertions.Plan:
-            return assertions.plan_files(
+        def plan_for(found: dict[str, str]) -> rewrite.Plan:
+            return rewrite.plan_files(
                 required,
                 sources or found,
                 **framing(grader),
@@ -239,7 +239,7 @@ async def gold_record(
             # What to leave as written next time: the rows whose held item could not be
             # judged, else the failing tests' tables.
             failing = list(_notes.get("failed_handles", [])) or [
-                assertions.function_of(t, **framing(grader)) for t in bad
+                rewrite.function_of(t, **framing(grader)) for t in bad
             ]
             return GoldRun(
                 ok=False,
@@ -340,10 +340,10 @@ async def _grade_once(
             return _done(traj, None, verdict, flags, t0)
     required = task.FAIL_TO_PASS + task.PASS_TO_PASS
 
-    def plan_for(found: dict[str, str]) -> assertions.Plan | None:
+    def plan_for(found: dict[str, str]) -> rewrite.Plan | None:
         if record is None:
             return None
-        return assertions.plan_files(
+        return rewrite.plan_files(
             required,
             record.sources,
             **framing(grader),

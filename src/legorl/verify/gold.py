@@ -37,6 +37,7 @@ HERE = Path(__file__).resolve().parent
 PLAN_SWITCHES = frozenset({"held_tables"})
 _GRADER_FILES = (
     "assertions.py",
+    "rewrite.py",
     "operands.py",
     "bootstrap.py",
     "runner.py",

@@ -5,7 +5,7 @@ grading sandbox through the bootstrap's stdin, never as a file the judged code c
     with __legorl__.raises(SITE, pytest.raises(E)): …   # what `with pytest.raises(E):` becomes
     with __legorl__.test(self_or_None): …               # around each required test's body
 
-The test files are rewritten by the judge (`assertions.py`) before the run: an assertion no
+The test files are rewritten by the judge (`rewrite.py`) before the run: an assertion no
 longer compares anything here. Each of its operands leaves the process as exact-type plain
 data, marshalled, and the judge applies the comparison in its own process against expected
 values it holds (literals stripped from the source: ``HELD`` marks their places). Nothing here

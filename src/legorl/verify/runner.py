@@ -36,7 +36,7 @@ from typing import Any
 
 from legorl.protocols import ExecResult, Sandbox, SandboxError
 from legorl.records import Task
-from legorl.verify import assertions
+from legorl.verify import assertions, rewrite
 from legorl.verify.parsers import TestResults, parse_stream, records
 from legorl.verify.scans import constant_comparisons, runner_tamper_suspects
 from legorl.verify.specs import Grader, parse_capped, resolve, test_files
@@ -145,7 +145,7 @@ async def sources_of(sandbox: Sandbox, paths: list[str]) -> dict[str, str]:
     return out
 
 
-async def _seal(sandbox: Sandbox, grade_dir: str, plan: assertions.Plan | None) -> None:
+async def _seal(sandbox: Sandbox, grade_dir: str, plan: rewrite.Plan | None) -> None:
     """The rewritten test files in place, the repository's bytecode caches removed (the
     judged run writes none and so reads none of it), and grading's own folder root's alone,
     in one command (a tar of the files on stdin)."""
@@ -176,7 +176,7 @@ async def run_tests(
     grade_dir: str,
     timeout: float,
     off: frozenset[str],
-    plan: assertions.Plan | None,
+    plan: rewrite.Plan | None,
 ) -> TestRun:
     """Run the task's tests once, as the judged user; the outcomes as the signed stream says
     (or, for a runner that only prints, as the official parser reads its output), and the
@@ -292,7 +292,7 @@ def is_django(grader: Grader) -> bool:
 
 
 def framing(grader: Grader) -> dict[str, bool]:
-    """How required test names are spelled for `assertions.locate`."""
+    """How required test names are spelled for `rewrite.locate`."""
     return {"django": is_django(grader), "pytest": grader.kind == "pytest"}
 
 
@@ -300,7 +300,7 @@ def planned_files(task: Task, grader: Grader) -> list[str]:
     """The test files the judge rewrites: those defining a required test by its name, and
     the test_patch's Python files (where a bare test name is looked up)."""
     required = task.FAIL_TO_PASS + task.PASS_TO_PASS
-    named = assertions.needed_files(required, **framing(grader))
+    named = rewrite.needed_files(required, **framing(grader))
     return sorted({*named, *(f for f in test_files(task) if f.endswith(".py"))})
 
 
@@ -310,7 +310,7 @@ def judge(
     patch: str,
     off: frozenset[str],
     *,
-    plan: assertions.Plan | None = None,
+    plan: rewrite.Plan | None = None,
     gold: assertions.Gold | None = None,
 ) -> tuple[dict[str, str], set[str], dict[str, Any]]:
     """Required outcomes (anything short of a clean, consistent pass is not ``passed``), the
@@ -379,7 +379,7 @@ def _judge_assertions(
     task: Task,
     test_run: TestRun,
     tests: dict[str, str],
-    plan: assertions.Plan,
+    plan: rewrite.Plan,
     gold: assertions.Gold,
     flags: set[str],
     notes: dict[str, Any],
