@@ -30,6 +30,7 @@ from test_rollout_harnesses import (
     shell_call,
 )
 
+from legorl.protocols import SandboxError
 from legorl.records import ENVIRONMENT_FAILURES, Trajectory, read_jsonl
 from legorl.rollout import _sandbox_failure
 
@@ -169,4 +170,60 @@ def test_a_sandbox_the_agent_ended_itself_is_its_outcome() -> None:
     before, after, status, evidence = asyncio.run(run())
     assert before is True and after is False
     assert status == "harness_error", evidence
-    assert evidence["alive"].startswith("the sandbox ended while its backend answers")
+    assert evidence["alive"].startswith("the sandbox ended or broke while its backend answers")
+
+
+def test_a_sandbox_whose_tools_the_agent_replaced_is_its_outcome() -> None:
+    # Round 6: root in its container, the agent replaces ``timeout`` (which every command of
+    # the backend runs through) with ``false``; a probe that runs ``true`` inside then fails
+    # and read as "cannot tell", a null. Liveness is the daemon's view: the container runs.
+    backend = sandbox_backend("docker")
+    task = _task()
+
+    async def run() -> tuple[int | None, bool | None, str, dict]:
+        box = await backend.start(task, str(TASKS), run_id="legorl-test-tools", proxy_url=None)
+        try:
+            swap = 'cp /bin/false /tmp/f && mv -f /tmp/f "$(command -v timeout)"'
+            await box.exec(["sh", "-c", swap], timeout=60)
+            try:
+                code: int | None = (await box.exec(["true"], timeout=60)).exit_code
+            except SandboxError:
+                code = None
+            evidence: dict = {}
+            return code, await box.alive(), await _sandbox_failure(box, evidence), evidence
+        finally:
+            await box.close()
+
+    code, alive, status, evidence = asyncio.run(run())
+    assert code != 0  # the agent's change broke every command the backend runs inside
+    assert alive is True
+    assert status == "harness_error", evidence
+
+
+def test_a_local_sandbox_the_agent_broke_itself_is_its_outcome() -> None:
+    # Round 6: the host's Python is bound below the agent's writable HOME (or /tmp); the agent
+    # replaces the folder holding that mount point with a dangling link, and every later
+    # bubblewrap of its sandbox fails to set up. Its folders are there and a bubblewrap with
+    # nothing of its own runs: what its commands left broke it, ``harness_error``.
+    backend = sandbox_backend("local")
+    task = _task()
+
+    async def run() -> tuple[bool | None, bool | None, str, dict]:
+        box = await backend.start(task, str(TASKS), run_id="legorl-test-broke", proxy_url=None)
+        try:
+            flags = box._flags
+            bound = [flags[i + 1] for i, f in enumerate(flags[:-2]) if f == "--ro-bind"]
+            nested = [p for p in bound if p.startswith(("/root/", "/tmp/"))]
+            if not nested:
+                pytest.skip("this host's Python is not bound below the sandbox's HOME or /tmp")
+            top = "/".join(nested[-1].split("/")[:3])  # /root/.pyenv
+            before = await box.alive()
+            await box.exec(["sh", "-c", f"mv {top} {top}-moved && ln -s /nonexistent {top}"])
+            evidence: dict = {}
+            return before, await box.alive(), await _sandbox_failure(box, evidence), evidence
+        finally:
+            await box.close()
+
+    before, after, status, evidence = asyncio.run(run())
+    assert before is True and after is False
+    assert status == "harness_error", evidence

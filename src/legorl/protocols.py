@@ -252,10 +252,11 @@ class Sandbox(Protocol):
         ...
 
     async def alive(self) -> bool | None:
-        """Whether the sandbox still runs a command: True; False when it has ended while its
-        backend answers (what runs in it ended it: the agent's processes, never legorl, which
-        ends a sandbox only by ``close``); None when the backend cannot tell (it, or the
-        machine under it, failed)."""
+        """Whether the sandbox is still up, judged by its backend, never by a command inside
+        it (whose tools the agent may have replaced): True; False when it has ended or broken
+        while its backend answers (what ran in it did that: the agent's processes or the
+        state they left, never legorl, which ends a sandbox only by ``close``); None when the
+        backend cannot tell (it, or the machine under it, failed)."""
         ...
 
     async def close(self) -> None: ...

@@ -291,20 +291,23 @@ async def _attempt(
 
 async def _sandbox_failure(sandbox: Sandbox, evidence: dict[str, Any]) -> str:
     """The status of a run whose sandbox failed a command after the agent started (the harness's
-    or the diff's): the agent's outcome where the sandbox still runs a command (what it did,
-    or the tree it left, made that one fail) or ended while its backend answers (what the
-    agent ran ended it: a ``kill 1`` as root); an environment failure only where the backend
-    cannot tell (it, or the node under it, failed). ``evidence["alive"]`` says which."""
+    or the diff's): the agent's outcome where its backend says the sandbox is up (what the
+    agent did, or the tree or tools it left, made that one fail) or ended or broke while the
+    backend answers (what the agent ran did that: a ``kill 1`` as root, a mount point of its
+    own sandbox replaced); an environment failure only where the backend cannot tell (it, or
+    the node under it, failed). ``evidence["alive"]`` says which."""
     try:
         alive = await sandbox.alive()
     except SandboxError as exc:
         alive = None
         evidence["alive"] = f"the backend cannot tell whether the sandbox runs: {exc}"
     if alive is True:
-        evidence["alive"] = "the sandbox still runs a command: the diff refused the agent's tree"
+        evidence["alive"] = "the sandbox is up: what the agent did or left made the command fail"
         return "harness_error"
     if alive is False:
-        evidence["alive"] = "the sandbox ended while its backend answers: what ran in it ended it"
+        evidence["alive"] = (
+            "the sandbox ended or broke while its backend answers: what ran in it did that"
+        )
         return "harness_error"
     evidence.setdefault("alive", "the backend cannot tell whether the sandbox runs")
     return "sandbox_error"

@@ -1239,25 +1239,21 @@ class DockerSandbox:
         return await in_thread(self.alive_sync)
 
     def alive_sync(self) -> bool | None:
-        """True when the container runs a command; False when the daemon answers and the
-        container has stopped or is gone (what ran in it ended it: its init exits with its
-        child, and the container is removed on exit); None when the daemon does not answer."""
+        """The daemon's view, never a command in the container (the agent, root there, may
+        have replaced ``true`` or ``timeout``): True while the container runs; False when
+        the daemon answers and the container has stopped or is gone (what ran in it ended
+        it: its init exits with its child, and the container is removed on exit); None when
+        the daemon does not answer."""
         import docker.errors
 
-        with contextlib.suppress(SandboxError):
-            if self.exec_sync(["true"], timeout=60, cwd="/").exit_code == 0:
-                return True
         try:
             self.api.ping()
-        except Exception:
-            return None
-        try:
             state = self.api.inspect_container(self.container_id).get("State", {})
         except docker.errors.NotFound:
             return False
-        except docker.errors.APIError:
+        except Exception:
             return None
-        return None if state.get("Running") else False
+        return bool(state.get("Running"))
 
     # -- close
 

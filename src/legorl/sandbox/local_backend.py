@@ -695,13 +695,28 @@ class LocalSandbox:
             shutil.rmtree(work, ignore_errors=True)
 
     async def alive(self) -> bool | None:
-        """True when a command runs; None otherwise: each command is a fresh bubblewrap (no
-        process of the agent's outlives its command), so nothing the agent runs can end the
-        sandbox, and one that no longer runs a command lost its folder on the host."""
+        """True when a command runs. Each command is a fresh bubblewrap over this sandbox's
+        folders, which only its own commands change; so when none runs while its folders are
+        there and a bubblewrap with nothing of this sandbox's runs, what its commands left
+        broke it (a mount point in its HOME replaced, say): False. None when the backend
+        itself cannot run a command, or the folders are gone (not the agent's doing)."""
         with contextlib.suppress(SandboxError):
             if (await self.exec(["true"], timeout=60, cwd="/")).exit_code == 0:
                 return True
-        return None
+        if not (self.root / "repo").is_dir():
+            return None
+        probe = [
+            self.backend.config.bwrap, "--unshare-all", "--unshare-user-try",
+            "--die-with-parent", *_host_view(self.backend.config.host_paths),
+            "--proc", "/proc", "--dev", "/dev", "true",
+        ]  # fmt: skip
+        try:
+            done = await asyncio.to_thread(
+                subprocess.run, probe, capture_output=True, timeout=60, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return False if done.returncode == 0 else None
 
     async def close(self) -> None:
         # Off the event loop: a sandbox's tree may hold any number of files (removing 500,000

@@ -37,13 +37,22 @@ class LogParser(Protocol):
     def parse(self, report: bytes, key: bytes) -> TestResults: ...
 
 
+#: The JSON structure (brackets, commas, colons) one stream's records may decode, in all: the
+#: judged code can sign records (the channel is in its process), and a signed list of 29
+#: million small numbers is 58 MB of text and 1.1 GB of objects. Operands travel as one
+#: marshalled text each, with budgets of their own (`assertions.Budget`).
+STRUCTURE = 4_000_000
+
+
 def records(stream: bytes, key: bytes) -> tuple[list[dict[str, Any]], int]:
-    """The verified records of one chain in order, and the count of lines that did not verify."""
+    """The verified records of one chain in order, and the count of lines that did not verify
+    (or that verified past what the stream's ``STRUCTURE`` allows)."""
     keyed = hmac.new(key, digestmod="sha256")
     seq, prev = 0, GENESIS
     found: list[dict[str, Any]] = []
     forged = 0
     mark = MARK.encode() + b" "
+    structure = STRUCTURE
     for line in stream.splitlines():
         at = line.find(mark)
         if at < 0:
@@ -55,6 +64,9 @@ def records(stream: bytes, key: bytes) -> tuple[list[dict[str, Any]], int]:
             expected.update(b"%d %s %s" % (seq, prev.encode(), body))
             if int(number) != seq or not hmac.compare_digest(mac, expected.hexdigest().encode()):
                 raise ValueError("not the next record of the chain")
+            structure -= sum(body.count(c) for c in (b"[", b"{", b",", b":"))
+            if structure < 0:
+                raise ValueError("past the stream's structure budget")
             record = json.loads(body)
             if not isinstance(record, dict):
                 raise ValueError("not a record")
@@ -72,8 +84,11 @@ class PytestReportParser:
     name = "pytest"
 
     def parse(self, report: bytes, key: bytes) -> TestResults:
-        results = TestResults()
-        found, results.forged_lines = records(report, key)
+        return self.read(*records(report, key))
+
+    def read(self, found: list[dict[str, Any]], forged: int) -> TestResults:
+        """The outcomes of records already verified (`records`)."""
+        results = TestResults(forged_lines=forged)
         for record in found:
             try:
                 self._take(results, record)
@@ -119,7 +134,3 @@ def _text(value: Any) -> str:
 
 PARSERS: dict[str, LogParser] = {"pytest": PytestReportParser()}
 
-
-def parse_stream(stream: bytes, key: bytes) -> TestResults:
-    """The signed stream of any of our recorders (pytest plugin, unittest recorder, plain)."""
-    return PARSERS["pytest"].parse(stream, key)
