@@ -116,15 +116,15 @@ def test_an_engine_failure_after_the_policy_acted_stays_a_proxy_error(
 #: nobody may read (the local probe runs as the agent's uid), a file whose patch is larger than
 #: the diff takes; with what the sandbox says afterwards.
 UNDIFFABLE = {
-    "local-unreadable": ("local", "mkdir /testbed/notes && chmod 000 /testbed/notes", "still runs"),
-    "docker-huge": ("docker", "head -c 230000000 /dev/urandom > /testbed/notes.bin", "still runs"),
+    "local-unreadable": ("local", "mkdir /testbed/notes && chmod 000 /testbed/notes", "is up"),
+    "docker-huge": ("docker", "head -c 230000000 /dev/urandom > /testbed/notes.bin", "is up"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(UNDIFFABLE))
 def test_a_tree_the_diff_cannot_take_is_the_policys_outcome(tmp_path: Path, case: str) -> None:
     # That was ``sandbox_error``: verify gave null and training dropped the episode, so a policy
-    # could turn any 0 into "no signal". The sandbox still runs a command after the failed diff,
+    # could turn any 0 into "no signal". The sandbox is up (its backend says) after the failed diff,
     # or ended while its backend answers: the agent's doing, ``harness_error``, graded 0.
     sandbox, command, said = UNDIFFABLE[case]
     script = [
