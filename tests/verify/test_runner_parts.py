@@ -8,6 +8,7 @@ outcome alone (what grading was before assertions were judged out of process) pa
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import subprocess
@@ -605,3 +606,38 @@ def test_a_verdict_holds_only_small_plain_json() -> None:
     assert back["many"][-1].endswith("more>")
     assert "bottom" not in written.decode()
     assert bounded({"a": [1, "b", None, True, 2.5]}) == {"a": [1, "b", None, True, 2.5]}
+
+
+def test_the_record_reader_cuts_out_only_the_lines_that_hold_the_mark() -> None:
+    # Round 7: 64 MiB of ``\xff\n`` written to the record channel made 32 million line objects
+    # before one was checked (verify at 2.16 GB for one trajectory). Only lines with the mark
+    # are cut out now: the reader's own allocations stay small whatever the stream holds.
+    import tracemalloc
+
+    from legorl.verify.parsers import records
+
+    flood = b"\xff\n" * (8 << 20)
+    tracemalloc.start()
+    try:
+        found, forged = records(flood, b"k" * 32)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (found, forged) == ([], 0)
+    assert peak < 1 << 20, peak  # the old splitlines() held 8 million objects (~300 MB)
+
+
+def test_a_patch_past_the_size_grading_reads_is_refused_before_it_is_read() -> None:
+    # Round 7: a 40 MB patch (a file of empty lines) held verify's event loop 13 s and 1.5 GB
+    # in the strict reader; a rollout's diff can be 160 MB. Past MAX_PATCH it is refused, 0.
+    from legorl.records import Task
+    from legorl.verify.tree import MAX_PATCH, apply_model_patch
+
+    task = Task(instance_id="t", repo="r/r", base_commit="0" * 40, problem_statement="",
+                test_patch="", FAIL_TO_PASS=[], PASS_TO_PASS=[], version="0",
+                environment_setup_commit="0" * 40)  # fmt: skip
+    body = "+\n" * (MAX_PATCH // 2 + 10)
+    patch = f"diff --git a/big b/big\nnew file mode 100644\n--- /dev/null\n+++ b/big\n@@ -0,0 +1 @@\n{body}"
+    judged = asyncio.run(apply_model_patch(None, task, patch))  # type: ignore[arg-type]
+    assert judged.method is None and judged.refused == "patch_too_large", judged
+    assert f"{MAX_PATCH:,}" in judged.error

@@ -16,6 +16,7 @@ taken before the patch, so nothing the patch writes (hooks, config, attributes) 
 
 from __future__ import annotations
 
+import asyncio
 import configparser
 import functools
 import json
@@ -40,6 +41,9 @@ PROBE = f"{GRADE_DIR}/tree_probe.py"
 SNAPSHOT = f"{GRADE_DIR}/judged.tar"
 #: The most of a probe's result file grading reads (its listing and the judged tree's patch).
 PROBE_LIMIT = 64 << 20
+#: The longest model patch grading reads (characters): reading one costs the judge about 40
+#: bytes of memory per character of many short lines. Patches that fix an issue are kilobytes.
+MAX_PATCH = 8 << 20
 
 #: Files the interpreter or pytest runs by their name alone, wherever they are.
 RUNNER_FILES = {"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "noxfile.py"}
@@ -306,6 +310,11 @@ def judge(
 
 
 def _refuse(patch: str) -> tuple[str, str] | None:
+    if len(patch) > MAX_PATCH:
+        return "patch_too_large", (
+            f"the patch text is refused: {len(patch):,} characters, past the "
+            f"{MAX_PATCH:,} a patch may have"
+        )
     try:
         parse_strict(patch)
     except PatchError as err:
@@ -394,7 +403,7 @@ async def apply_model_patch(
         patch, dropped = sanitize(patch, task.test_patch)
         judged.reverted = [{"path": p, "reason": r, "action": "dropped"} for p, r in dropped]
     if strict:
-        refused = _refuse(patch)
+        refused = await asyncio.to_thread(_refuse, patch)
         if refused:
             judged.refused, judged.error = refused
             judged.method = None
