@@ -295,3 +295,18 @@ def test_import_roots_follow_pytests_rootdir_rule() -> None:
     )
     paths = {"pkg/__init__.py", "pkg/tests/__init__.py", "pkg/tests/test_a.py", "t2/test_b.py"}
     assert import_roots(task, paths) == ["", "src/", "t2/"]
+
+
+@pytest.mark.parametrize("backend", ["docker", "local"])
+def test_an_honest_fix_that_adds_thousands_of_test_files_still_grades(backend: str) -> None:
+    # Round 7: the revert of 6,000 added test files went on one command line, which
+    # overflowed ("argument list too long"); the gold fix beside them got 0, grading_failed.
+    # The paths now go on stdin: the files are reverted and the fix passes.
+    task = _task()
+    extra = "".join(_new_file(f"tests/test_extra_{i}.py", "x = 1\n") for i in range(6000))
+    got = _grade(task.patch + extra, backend=backend)
+    assert got.reward == 1.0, got.verdict
+    dropped = got.verdict["dropped"]  # the verdict keeps a bounded part of the list
+    assert dropped[0] == {"path": "tests/test_extra_0.py", "reason": "tests_touched",
+                          "action": "deleted"}  # fmt: skip
+    assert dropped[-1].endswith("more>")

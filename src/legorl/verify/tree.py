@@ -77,8 +77,10 @@ def git(*args: str, work_tree: str | None = None, index: str | None = None) -> l
     return clean_git(*args, git_dir=GIT_DIR, work_tree=work_tree or WORKDIR, index=index)
 
 
-async def _sh(sandbox: Sandbox, argv: list[str], what: str, timeout: float = 120) -> str:
-    result = await sandbox.exec(argv, timeout=timeout, cwd=sandbox.workdir)
+async def _sh(
+    sandbox: Sandbox, argv: list[str], what: str, timeout: float = 120, stdin: bytes | None = None
+) -> str:
+    result = await sandbox.exec(argv, timeout=timeout, cwd=sandbox.workdir, stdin=stdin)
     if result.exit_code != 0:
         raise SandboxError(f"grading: {what} failed: {result.output.strip()[-300:]}")
     return result.output
@@ -511,14 +513,18 @@ async def _revert(
             restore.append(path)
         action = "restored" if row["before"] is not None else "deleted"
         judged.reverted.append({"path": path, "reason": why, "action": action})
+    # The paths go on stdin, NUL-separated: any number of them fits (as arguments, 6,000
+    # added files overflowed the command line and failed an honest fix's grading).
     if gone:
         # Deepest first; each path is removed itself, never followed through a symlink.
-        quoted = " ".join(
-            shlex.quote(f"{wd}/{p}") for p in sorted(set(gone), key=len, reverse=True)
+        names = b"".join(
+            f"{wd}/{p}".encode() + b"\0" for p in sorted(set(gone), key=len, reverse=True)
         )
-        await _sh(sandbox, ["sh", "-c", f"rm -rf -- {quoted}"], "reverting added paths")
+        await _sh(sandbox, ["xargs", "-0", "rm", "-rf", "--"], "reverting added paths", stdin=names)
     if restore:
-        await _sh(sandbox, git("checkout", "-f", base, "--", *restore), "restoring paths")
+        listed = b"".join(p.encode() + b"\0" for p in restore)
+        argv = git("checkout", "-f", base, "--pathspec-from-file=-", "--pathspec-file-nul")
+        await _sh(sandbox, argv, "restoring paths", stdin=listed)
 
 
 async def _base_sha(sandbox: Sandbox) -> str:
