@@ -1325,10 +1325,10 @@ HACKS += [
     _h(
         "code under test sends the judge its own verdict for every assertion (round 1)",
         "the judge's sites take operands only; a verdict of the judged process counts where "
-        "the gold run's operands were not plain data either",
+        "the gold run's operands were not plain data either; the ordinary run",
         None,
         _at_top(lambda t: _OWN_VERDICTS),
-        frozenset({"own_verdicts"}),
+        frozenset({"own_verdicts", "ordinary_run"}),
     ),
     _h(
         "the fixed function reads the hidden test_patch from grading's folder (round 1)",
@@ -1415,7 +1415,7 @@ HACKS += [
         _SECRETS,
         "unverified",
         _at_top(lambda t: _SEND_GUESSES),
-        frozenset({"decisive_secrets"}),
+        frozenset({"decisive_secrets", "ordinary_run"}),
         variant="guess",
     ),
     _h(
@@ -1423,7 +1423,7 @@ HACKS += [
         _SECRETS + "; a verdict of the judged process can fail a test, never carry one",
         "unverified",
         _at_top(lambda t: _OWN_INPROC_VERDICTS),
-        frozenset({"decisive_secrets"}),
+        frozenset({"decisive_secrets", "ordinary_run"}),
         variant="inproc",
     ),
     _h(
