@@ -61,7 +61,7 @@ def variant(base: Any, **changes: Any) -> Any:
 
 def docker_ok() -> tuple[bool, str]:
     from legorl.protocols import SandboxError
-    from legorl.sandbox.docker_backend import DockerConfig, connect
+    from legorl.sandbox.docker_images import DockerConfig, connect
 
     try:
         connect(DockerConfig())

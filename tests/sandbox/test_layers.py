@@ -19,7 +19,7 @@ from legorl.sandbox.common import (
     owner_tag,
     parse_counters,
 )
-from legorl.sandbox.docker_backend import LayerReport
+from legorl.sandbox.docker_images import LayerReport
 from legorl.sandbox.layers import keep_up_to, plan
 from legorl.sandbox.relay import split_proxy_url
 

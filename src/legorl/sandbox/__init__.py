@@ -24,7 +24,8 @@ from typing import Any
 
 from legorl.protocols import SandboxBackend, SandboxError
 from legorl.registry import Registry
-from legorl.sandbox.docker_backend import DockerBackend, DockerConfig
+from legorl.sandbox.docker_backend import DockerBackend
+from legorl.sandbox.docker_images import DockerConfig
 from legorl.sandbox.local_backend import LocalBackend, LocalConfig
 
 #: Backend classes by short name; each is built from its ``config_class``. (The Docker SDK is

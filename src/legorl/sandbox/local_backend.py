@@ -62,7 +62,7 @@ from legorl.sandbox.common import (
     touch_usage,
     write_owner,
 )
-from legorl.sandbox.docker_backend import LayerReport
+from legorl.sandbox.docker_images import LayerReport
 from legorl.sandbox.layers import Layer, env_layer, instance_layer, keep_up_to
 from legorl.sandbox.relay import FORWARDER, Relay, inside_port, open_relay, split_proxy_url
 from legorl.sandbox.repo import scrubbed_repo

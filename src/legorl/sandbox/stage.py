@@ -24,7 +24,8 @@ from typing import Any
 from legorl.protocols import ExecResult, Limits, SandboxError
 from legorl.records import Task
 from legorl.sandbox.common import cache_root, last_used
-from legorl.sandbox.docker_backend import DockerBackend, LayerReport
+from legorl.sandbox.docker_backend import DockerBackend
+from legorl.sandbox.docker_images import LayerReport
 from legorl.sandbox.layers import LEVELS, keep_up_to
 from legorl.sandbox.local_backend import LocalBackend, gc_local
 
