@@ -102,8 +102,8 @@ def train(
     from transformers.utils import logging as hf_logging
 
     from legorl.monitors import Monitor, MonitorStop
+    from legorl.train.checkpoint import Push, TrainError
     from legorl.train.data import SampleError
-    from legorl.train.trainer import Push, TrainError
     from legorl.train.trainer import train as run_train
 
     hf_logging.set_verbosity_error()

@@ -24,9 +24,10 @@ from legorl.engines.models import load_model
 from legorl.monitors import Monitor, MonitorConfig
 from legorl.records import Metric, Sample, read_jsonl, write_jsonl
 from legorl.routing import RoutingLayout, RoutingWriter, router_modules
+from legorl.train.checkpoint import TrainError
 from legorl.train.config import TrainConfig
 from legorl.train.routing import RouterReplay
-from legorl.train.trainer import TrainError, train
+from legorl.train.trainer import train
 
 pytestmark = pytest.mark.xdist_group("moe-routing")
 

@@ -12,19 +12,17 @@ from train_helpers import MODEL, legorl, make_samples
 
 from legorl.engines.models import load_model, token_logprobs
 from legorl.records import TrainerLogprobs, read_jsonl, write_jsonl
+from legorl.train.checkpoint import OPTIMIZER_FILE, TrainError, resume_optimizer
 from legorl.train.config import TrainConfig
 from legorl.train.data import prepare_batch
 from legorl.train.losses import policy_loss
 from legorl.train.model import TokenScorer, load_policy
 from legorl.train.trainer import (
-    OPTIMIZER_FILE,
     StepStats,
     StepTiming,
     Tokens,
-    TrainError,
     micro_batch_loss,
     plan_step,
-    resume_optimizer,
     step_inputs,
     step_metrics,
     train,

@@ -13,8 +13,10 @@ import torch
 from train_helpers import MODEL, MOE, load_weights, make_samples
 
 from legorl.records import Metric
+from legorl.train.checkpoint import TrainError
 from legorl.train.config import TrainConfig
-from legorl.train.trainer import TrainError, TrainResult, check_parameter_choice, train
+from legorl.train.params import check_parameter_choice
+from legorl.train.trainer import TrainResult, train
 
 REQUIRED = {
     "rollout_trainer_pearson",

@@ -92,7 +92,8 @@ def run_loop(
     splits = load_splits(config)
     if config.ray is None:  # on a cluster, each node's worker checks its own
         preflight(config)
-    from legorl.train.trainer import TrainError, check_parameter_choice
+    from legorl.train.checkpoint import TrainError
+    from legorl.train.params import check_parameter_choice
 
     try:  # a pattern that takes no parameter fails now, not after the first rollout
         check_parameter_choice(config.model, config.train_config())

@@ -189,8 +189,9 @@ def train_samples(
     """One iteration's training on ``samples`` (blocking: the async driver runs it in a
     thread): ``folder/checkpoint`` when the weights changed, ``folder/metrics.jsonl`` and
     ``folder/trainer_logprobs.jsonl``; a dry run when no group carries a gradient."""
+    from legorl.train.checkpoint import TrainError
     from legorl.train.data import SampleError
-    from legorl.train.trainer import TrainError, train
+    from legorl.train.trainer import train
 
     cfg = config.train_config()
     # Zero-variance groups carry no gradient: training them is only useful when the config

@@ -29,14 +29,8 @@ no-grad pass before the first update.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
-import re
-import shutil
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -46,7 +40,20 @@ import torch
 
 from legorl.records import Metric, Sample, TrainerLogprobs
 from legorl.train import lora
-from legorl.train.config import TrainConfig, dump_config
+from legorl.train.checkpoint import (
+    CONFIG_FILE,
+    OPTIMIZER_FILE,
+    STATE_FILE,
+    Push,
+    TrainError,
+    push_weights,
+    read_state,
+    resume_optimizer,
+    save_checkpoint,
+    saved_optimizer,
+    take_call_settings,
+)
+from legorl.train.config import TrainConfig
 from legorl.train.correction import correction_weights, mismatch_metrics
 from legorl.train.data import Batch, prepare_batch
 from legorl.train.distributed import (
@@ -58,26 +65,17 @@ from legorl.train.distributed import (
 from legorl.train.losses import LossOut, episode_sums, policy_loss
 from legorl.train.model import TokenScorer, load_policy
 from legorl.train.packing import MicroBatch, build_micro_batch, pack_lengths, padded_length
+from legorl.train.params import (
+    fold_scales,
+    lr_param_groups,
+    scale_only_parameters,
+    trained_parameters,
+)
 from legorl.train.routing import (
     RouterReplay,
     RoutingSetupError,
-    check_router_replay,
     setup_routing,
 )
-
-OPTIMIZER_FILE = "optimizer.pt"
-STATE_FILE = "trainer_state.json"
-CONFIG_FILE = "train_config.yaml"
-
-
-class TrainError(RuntimeError):
-    """A failure the command reports in one line (bad push, unusable input)."""
-
-
-@dataclass
-class Push:
-    url: str  # the proxy's base URL; /admin/weights is appended
-    token: str
 
 
 @dataclass
@@ -240,138 +238,6 @@ def _score_all(
     return torch.where(hits > 0, values, torch.full_like(values, math.nan)).cpu()
 
 
-def trained_parameters(lm: Any, pattern: str) -> list[torch.nn.Parameter]:
-    """The parameters to train, the others frozen: those whose name ``pattern`` finds
-    (``re.search``), or all of them when it is empty."""
-    if not pattern:
-        return list(lm.parameters())
-    regex = re.compile(pattern)
-    chosen = []
-    for name, p in lm.named_parameters():
-        p.requires_grad_(bool(regex.search(name)))
-        if p.requires_grad:
-            chosen.append(p)
-    if not chosen:
-        raise TrainError(f"train_params: {pattern!r} matches no parameter of the model")
-    return chosen
-
-
-class _Scale(torch.nn.Module):
-    """``W -> factor * W``: a tensor trained only through one scalar (``scale_only``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.factor = torch.nn.Parameter(torch.ones(()))
-
-    def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight * self.factor.to(weight.dtype)
-
-
-def scale_only_targets(lm: Any, params: list[torch.nn.Parameter], config: TrainConfig) -> list[str]:
-    """The names of the trained ``params`` that ``scale_only`` finds ([] when it is empty); a
-    pattern that finds none of them is a TrainError."""
-    if not config.scale_only:
-        return []
-    regex = re.compile(config.scale_only)
-    trained = {id(p) for p in params}
-    names = [n for n, p in lm.named_parameters() if id(p) in trained and regex.search(n)]
-    if not names:
-        raise TrainError(
-            f"scale_only: {config.scale_only!r} finds none of the parameters that train_params "
-            f"{config.train_params!r} trains"
-        )
-    return names
-
-
-def scale_only_parameters(
-    lm: Any, params: list[torch.nn.Parameter], config: TrainConfig
-) -> list[torch.nn.Parameter]:
-    """The parameters the optimizer steps: ``params``, except that each one ``scale_only``
-    finds is frozen and multiplied by a new scalar factor (starting at 1) that is trained in
-    its place. ``fold_scales`` writes the products back before saving."""
-    names = scale_only_targets(lm, params, config)
-    if not names:
-        return params
-    from torch.nn.utils import parametrize
-
-    for name in names:
-        module_name, _, attr = name.rpartition(".")
-        module = lm.get_submodule(module_name)
-        getattr(module, attr).requires_grad_(False)
-        parametrize.register_parametrization(module, attr, _Scale())
-    return [p for p in lm.parameters() if p.requires_grad]
-
-
-def fold_scales(lm: Any) -> None:
-    """Replace each ``scale_only`` tensor by ``factor * W``, leaving plain parameters again."""
-    from torch.nn.utils import parametrize
-
-    for module in list(lm.modules()):
-        if parametrize.is_parametrized(module):
-            for attr in list(module.parametrizations.keys()):
-                parametrize.remove_parametrizations(module, attr, leave_parametrized=True)
-
-
-def lr_param_groups(
-    lm: Any, params: list[torch.nn.Parameter], config: TrainConfig
-) -> list[dict[str, Any]]:
-    """Optimizer groups of the trained ``params``: one per ``lr_groups`` entry (the first entry
-    whose regex finds a parameter's name takes it), then the rest at ``lr``. An entry that takes
-    no trained parameter is a TrainError: its lr would silently do nothing."""
-    entries = config.lr_group_entries()
-    if not entries:
-        return [{"params": params, "lr": config.lr}]
-    trained = {id(p) for p in params}
-    taken: list[list[torch.nn.Parameter]] = [[] for _ in entries]
-    rest = []
-    for name, p in lm.named_parameters():
-        if id(p) not in trained:
-            continue
-        for i, (pattern, _) in enumerate(entries):
-            if re.search(pattern, name):
-                taken[i].append(p)
-                break
-        else:
-            rest.append(p)
-    for (pattern, _), got in zip(entries, taken, strict=True):
-        if not got:
-            raise TrainError(
-                f"lr_groups: {pattern!r} takes no trained parameter (it finds none of those "
-                f"train_params {config.train_params!r} trains, or an earlier entry took them)"
-            )
-    groups = [{"params": got, "lr": lr} for (_, lr), got in zip(entries, taken, strict=True)]
-    if rest:
-        groups.append({"params": rest, "lr": config.lr})
-    return groups
-
-
-def check_parameter_choice(model_dir: str | Path, config: TrainConfig) -> None:
-    """Raise TrainError, as ``train`` would, when ``train_params``, ``scale_only`` or an
-    ``lr_groups`` entry takes no parameter, or router_replay=r3 meets a dense model of the model in ``model_dir``; only its names are built (meta device).
-    A model that cannot be built this way is not checked here: ``train`` says what is wrong."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    try:
-        model_config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-        with torch.device("meta"):
-            lm = AutoModelForCausalLM.from_config(model_config)
-    except (OSError, ValueError, KeyError, TypeError):
-        return
-    if config.lora:
-        try:
-            lora.linear_targets(lm, config.lora_targets)
-        except lora.LoraError as exc:
-            raise TrainError(str(exc)) from None
-        return
-    params = trained_parameters(lm, config.train_params)
-    scale_only_targets(lm, params, config)
-    lr_param_groups(lm, params, config)
-    try:  # router_replay=r3 on a dense model
-        check_router_replay(lm, model_dir, config)
-    except RoutingSetupError as exc:
-        raise TrainError(str(exc)) from None
-
-
 def _batch_metrics(batch: Batch) -> dict[str, float | None]:
     """What the samples say, before any training: rewards and the groups that carry a signal."""
     has = len(batch.episode_ids) > 0
@@ -404,95 +270,6 @@ def _peak_memory_mb() -> float | None:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     return None
-
-
-def _read_state(model: Path) -> dict[str, Any]:
-    path = model / STATE_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def _saved_dtype(model: Path) -> torch.dtype:
-    from transformers import AutoConfig
-
-    dtype = getattr(AutoConfig.from_pretrained(str(model), local_files_only=True), "dtype", None)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
-    return dtype if isinstance(dtype, torch.dtype) else torch.float32
-
-
-def save_checkpoint(
-    accelerator: Any,
-    scorer: Any,
-    optimizer_state: dict[str, Any] | None,
-    out: Path,
-    *,
-    model_dir: Path,
-    config: TrainConfig,
-    state: dict[str, Any],
-    run: dict[str, Any],
-) -> None:
-    """Weights (``save_pretrained``, in the dtype the model came in), tokenizer, optimizer state
-    (unless None), trainer state and the resolved config, each file moved into
-    ``out`` whole (``out`` may be the model folder itself)."""
-    full = accelerator.get_state_dict(scorer)  # every process takes part (FSDP gathers here)
-    if not accelerator.is_main_process:
-        accelerator.wait_for_everyone()
-        return
-    dtype = _saved_dtype(model_dir)
-    weights = {k.removeprefix("lm."): v.to(dtype) for k, v in full.items()}
-    lm = accelerator.unwrap_model(scorer).lm
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".saving-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        lm.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
-        config_json = json.loads((tmp / "config.json").read_text())
-        config_json["dtype"] = str(dtype).removeprefix("torch.")
-        (tmp / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
-        with contextlib.suppress(OSError, ValueError):
-            from legorl.engines.models import load_tokenizer
-
-            load_tokenizer(model_dir).save_pretrained(tmp)
-        if optimizer_state is not None:
-            torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
-        dump_config(config, tmp / CONFIG_FILE, extra=run)
-        new = {p.name for p in tmp.iterdir()}
-        for old in out.glob("model*.safetensors*"):  # a differently sharded earlier checkpoint
-            if old.name not in new:
-                old.unlink()
-        for p in tmp.iterdir():
-            os.replace(p, out / p.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.wait_for_everyone()
-
-
-def push_weights(push: Push, checkpoint: Path, timeout: float = 600.0) -> int:
-    """Ask the proxy to reload ``checkpoint``; returns the new policy version."""
-    url = push.url.rstrip("/")
-    if not url.endswith("/admin/weights"):
-        url += "/admin/weights"
-    body = json.dumps({"path": str(checkpoint.resolve())}).encode()
-    request = urllib.request.Request(
-        url,
-        data=body,
-        method="POST",
-        headers={"content-type": "application/json", "authorization": f"Bearer {push.token}"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            answer = json.loads(response.read() or b"{}")
-    except urllib.error.HTTPError as exc:
-        detail = exc.read().decode(errors="replace").strip()[:300]
-        raise TrainError(f"--push {url}: HTTP {exc.code}: {detail}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise TrainError(f"--push {url}: {getattr(exc, 'reason', exc)}") from None
-    version = answer.get("policy_version") if isinstance(answer, dict) else None
-    if not isinstance(version, int):
-        raise TrainError(f"--push {url}: answer has no policy_version: {answer!r}")
-    return version
 
 
 # --------------------------------------------------------------------------------------------
@@ -707,67 +484,6 @@ def trainer_logprobs(
 
 
 # --------------------------------------------------------------------------------------------
-# Resume
-# --------------------------------------------------------------------------------------------
-
-
-def resume_optimizer(
-    optimizer: torch.optim.Optimizer,
-    groups: list[dict[str, Any]],
-    state: dict[str, Any],
-    model_dir: Path,
-    config: TrainConfig,
-) -> bool:
-    """Load ``optimizer.pt`` from ``model_dir`` when it was saved for the same tensors, grouped
-    the same way; this call's lrs, betas, eps and weight decay win over the saved ones. Returns
-    whether there was one; raises TrainError when it belongs to other tensors."""
-    path = saved_optimizer(state, model_dir, config)
-    if path is None:
-        return False
-    optimizer.load_state_dict(torch.load(path, weights_only=True))
-    take_call_settings(optimizer, groups, config)
-    return True
-
-
-def saved_optimizer(state: dict[str, Any], model_dir: Path, config: TrainConfig) -> Path | None:
-    """``optimizer.pt`` in ``model_dir`` (None: there is none), once checked to be saved for
-    the tensors this call trains (``TrainError`` otherwise)."""
-    path = model_dir / OPTIMIZER_FILE
-    if not path.is_file():
-        return None
-    # Adam's moments belong to the tensors that were trained (another train_params would give
-    # them to other tensors, silently where the counts and shapes agree); a scalar factor's are
-    # not a whole tensor's; lr_groups' regexes sort them into the groups (their lrs may change)
-    saved = {
-        "train_params": (
-            state.get("train_params", ""),
-            config.train_params,
-            "train the same parameters",
-        ),
-        "scale_only": (state.get("scale_only", ""), config.scale_only, "train the same way"),
-        "lr_groups regexes": (
-            state.get("lr_group_patterns", []),
-            [pattern for pattern, _ in config.lr_group_entries()],
-            "group the same parameters (other lrs are fine)",
-        ),
-    }
-    for what, (was, now, fix) in saved.items():
-        if was != now:
-            shown = (repr(was), repr(now)) if isinstance(now, str) else (was, now)
-            raise TrainError(
-                f"{path}: saved for {what} {shown[0]}, not {shown[1]}; {fix}, or resume=false"
-            )
-    return path
-
-
-def take_call_settings(optimizer: Any, groups: list[dict[str, Any]], config: TrainConfig) -> None:
-    """This call's lrs, betas, eps and weight decay over the ones a loaded state brought."""
-    for group, built in zip(optimizer.param_groups, groups, strict=True):
-        group.update(lr=built["lr"], weight_decay=config.weight_decay, eps=config.adam_eps)
-        group["betas"] = (config.adam_beta1, config.adam_beta2)
-
-
-# --------------------------------------------------------------------------------------------
 # The loop
 # --------------------------------------------------------------------------------------------
 
@@ -809,7 +525,7 @@ def train(
 
     # ---- model, optimizer, resumed state ---------------------------------------------------
     set_seed(config.seed)
-    state = _read_state(model_dir) if config.resume else {}
+    state = read_state(model_dir) if config.resume else {}
     lora.check_start(model_dir, out_dir, config, state)
     lm = load_policy(lora.base_of(model_dir), attention=config.attention)
     if config.gradient_checkpointing:
