@@ -17,7 +17,7 @@ from conftest import grade_patch, sandbox_backend
 from legorl.records import Task, Trajectory, read_jsonl
 from legorl.verify import VerifyConfig
 from legorl.verify.patches import PatchError, parse_strict
-from legorl.verify.redteam import _SHADOW_PYTEST as SHADOW_PYTEST
+from legorl.verify.redteam.toy import _SHADOW_PYTEST as SHADOW_PYTEST
 from legorl.verify.runner import DEFENCES
 from legorl.verify.tree import apply_model_patch, import_roots, judge
 
