@@ -3,6 +3,7 @@ valid record of each type."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
 from pathlib import Path
@@ -23,6 +24,7 @@ from legorl.records import (
     Turn,
     TurnFlags,
     TurnOutput,
+    read_jsonl,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,6 +137,36 @@ async def grade_patch(
         turns=[],
         config=config or VerifyConfig(),
     )
+
+
+#: The toy tasks and the one the grading tests attack.
+TOY_TASKS = ROOT / "fixtures" / "tasks"
+TOY_TASK_ID = "legorl-toy__geometry-1"
+
+
+def toy_task(task_id: str = TOY_TASK_ID) -> Task:
+    return next(t for t in read_jsonl(TOY_TASKS / "train.jsonl", Task) if t.instance_id == task_id)
+
+
+def grade_toy(
+    patch: str,
+    *,
+    backend: str = "docker",
+    off: frozenset[str] = frozenset(),
+    task: Task | None = None,
+) -> Trajectory:
+    """``patch`` graded on a toy task (default: ``TOY_TASK_ID``) with the named defences off,
+    in the named backend's sandboxes."""
+    from legorl.verify import VerifyConfig
+
+    graded = grade_patch(
+        task or toy_task(),
+        patch,
+        backend=sandbox_backend(backend),
+        tasks_dir=TOY_TASKS,
+        config=VerifyConfig(defences_off=off),
+    )
+    return asyncio.run(graded)
 
 
 def example_records() -> list:

@@ -12,10 +12,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import grade_patch, sandbox_backend
+from conftest import grade_toy, sandbox_backend, toy_task
 
-from legorl.records import Task, Trajectory, read_jsonl
-from legorl.verify import VerifyConfig
+from legorl.records import Task, read_jsonl
 from legorl.verify.patches import PatchError, parse_strict
 from legorl.verify.redteam.toy import _SHADOW_PYTEST as SHADOW_PYTEST
 from legorl.verify.runner import DEFENCES
@@ -23,7 +22,6 @@ from legorl.verify.tree import apply_model_patch, import_roots, judge
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ROOT / "fixtures" / "tasks"
-TASK_ID = "legorl-toy__geometry-1"
 #: The runner's own defences (launch, stream, guard, differential run) stop these attacks too;
 #: a control switches them off as well, so that its reward 1 shows what the judge alone holds.
 RUNNER = DEFENCES
@@ -42,25 +40,6 @@ FORCE_PASS = textwrap.dedent(
         out.get_result().outcome = "passed"
     """
 )
-
-
-def _task() -> Task:
-    return next(t for t in read_jsonl(TASKS / "train.jsonl", Task) if t.instance_id == TASK_ID)
-
-
-def _grade(
-    patch: str, off: frozenset[str] = frozenset(), task: Task | None = None, backend: str = "docker"
-) -> Trajectory:
-    graded = grade_patch(
-        task or _task(),
-        patch,
-        backend=sandbox_backend(backend),
-        tasks_dir=TASKS,
-        config=VerifyConfig(defences_off=off),
-        run_id="legorl-test-judge",
-        trajectory_id="judge",
-    )
-    return asyncio.run(graded)
 
 
 def _new_file(path: str, content: str, header: str | None = None, mode: str = "100644") -> str:
@@ -93,7 +72,7 @@ def _readme_note(task: Task) -> str:
 
 def test_gold_fix_is_kept_and_the_judged_diff_is_the_real_change() -> None:
     backend = sandbox_backend("docker")
-    task = _task()
+    task = toy_task()
 
     async def run() -> tuple[list[str], str, str | None]:
         box = await backend.start(task, str(TASKS), run_id="legorl-test-judge")
@@ -111,23 +90,23 @@ def test_gold_fix_is_kept_and_the_judged_diff_is_the_real_change() -> None:
 
 @pytest.mark.parametrize("backend", ["docker", "local"])
 def test_a_quoted_header_smuggles_a_conftest_past_the_header_filter(backend: str) -> None:
-    task = _task()
+    task = toy_task()
     # git quotes any path it likes; the old header regex does not see this section at all.
     attack = _readme_note(task) + _new_file(
         "conftest.py", FORCE_PASS, header='diff --git "a/conftest.py" "b/conftest.py"'
     )
-    blocked = _grade(attack, backend=backend)
+    blocked = grade_toy(attack, backend=backend)
     assert blocked.reward == 0.0 and "runner_config_touched" in blocked.hack_flags
     assert {"path": "conftest.py", "reason": "runner_config_touched", "action": "deleted"} in (
         blocked.verdict["dropped"]
     )
-    control = _grade(attack, JUDGE_OFF, backend=backend)
+    control = grade_toy(attack, off=JUDGE_OFF, backend=backend)
     assert control.reward == 1.0, control.verdict
 
 
 def test_a_header_that_names_another_file_is_refused() -> None:
     # The header says README.md; `git apply` follows the +++ line and writes conftest.py.
-    old = _readme(_task())
+    old = _readme(toy_task())
     code = FORCE_PASS.splitlines()
     attack = (
         "diff --git a/README.md b/README.md\n--- a/README.md\n+++ b/conftest.py\n"
@@ -135,12 +114,12 @@ def test_a_header_that_names_another_file_is_refused() -> None:
         + "".join(f"-{ln}\n" for ln in old)
         + "".join(f"+{ln}\n" for ln in code)
     )
-    refused = _grade(attack)
+    refused = grade_toy(attack)
     assert refused.reward == 0.0 and "malformed_patch" in refused.hack_flags
     assert "line 1" in refused.verdict["reason"] and refused.verdict["patch_apply"] is None
-    judged = _grade(attack, frozenset({"strict_patch"}))  # applied, then judged on the tree
+    judged = grade_toy(attack, off=frozenset({"strict_patch"}))  # applied, then judged on the tree
     assert judged.reward == 0.0 and "runner_config_touched" in judged.hack_flags
-    control = _grade(attack, BOTH)
+    control = grade_toy(attack, off=BOTH)
     assert control.reward == 1.0 and control.verdict["patch_apply"] == "git_apply"
 
 
@@ -148,11 +127,11 @@ def test_a_hook_written_into_git_never_runs() -> None:
     # Written by the fuzz fallback; grading's own `git checkout` of the test files would run it.
     hook = "#!/bin/sh\ncat > /testbed/conftest.py <<'EOF'\n" + FORCE_PASS + "EOF\n"
     attack = _new_file(".git/hooks/post-checkout", hook, mode="100755")
-    refused = _grade(attack)
+    refused = grade_toy(attack)
     assert refused.reward == 0.0 and "git_dir_touched" in refused.hack_flags
-    judged = _grade(attack, frozenset({"strict_patch"}))
+    judged = grade_toy(attack, off=frozenset({"strict_patch"}))
     assert judged.reward == 0.0 and "git_dir_touched" in judged.hack_flags
-    control = _grade(attack, BOTH)
+    control = grade_toy(attack, off=BOTH)
     assert control.reward == 1.0 and control.verdict["patch_apply"] == "patch_fuzz"
 
 
@@ -162,14 +141,14 @@ FORGED_PYTEST = SHADOW_PYTEST
 
 def test_a_module_that_shadows_the_runner_is_reverted() -> None:
     attack = _new_file("pytest.py", FORGED_PYTEST)
-    blocked = _grade(attack)
+    blocked = grade_toy(attack)
     assert blocked.reward == 0.0 and "shadowing" in blocked.hack_flags
-    control = _grade(attack, JUDGE_OFF)
+    control = grade_toy(attack, off=JUDGE_OFF)
     assert control.reward == 1.0, control.verdict
 
 
 def test_a_test_patch_that_needs_a_fallback_keeps_the_models_fix() -> None:
-    task = _task()
+    task = toy_task()
     # The first context line no longer matches the base file: `git apply` and the 3-way
     # retry fail, `patch --fuzz` applies it.
     lines = task.test_patch.splitlines(keepends=True)
@@ -177,9 +156,9 @@ def test_a_test_patch_that_needs_a_fallback_keeps_the_models_fix() -> None:
     assert lines[at].startswith(" ")
     lines[at] = " # a line that is not in the file\n"
     shifted = replace(task, test_patch="".join(lines))
-    fixed = _grade(task.patch, task=shifted)
+    fixed = grade_toy(task.patch, task=shifted)
     assert fixed.reward == 1.0, fixed.verdict
-    old = _grade(task.patch, frozenset({"strict_patch"}), task=shifted)
+    old = grade_toy(task.patch, off=frozenset({"strict_patch"}), task=shifted)
     assert old.reward == 0.0  # the old cleanup between tries wiped the fix
 
 
@@ -291,7 +270,7 @@ def test_a_runner_config_too_long_to_parse_quickly_stays_text() -> None:
 
 def test_import_roots_follow_pytests_rootdir_rule() -> None:
     task = replace(
-        _task(), FAIL_TO_PASS=["pkg/tests/test_a.py::t"], PASS_TO_PASS=["t2/test_b.py::t"]
+        toy_task(), FAIL_TO_PASS=["pkg/tests/test_a.py::t"], PASS_TO_PASS=["t2/test_b.py::t"]
     )
     paths = {"pkg/__init__.py", "pkg/tests/__init__.py", "pkg/tests/test_a.py", "t2/test_b.py"}
     assert import_roots(task, paths) == ["", "src/", "t2/"]
@@ -302,9 +281,9 @@ def test_an_honest_fix_that_adds_thousands_of_test_files_still_grades(backend: s
     # Round 7: the revert of 6,000 added test files went on one command line, which
     # overflowed ("argument list too long"); the gold fix beside them got 0, grading_failed.
     # The paths now go on stdin: the files are reverted and the fix passes.
-    task = _task()
+    task = toy_task()
     extra = "".join(_new_file(f"tests/test_extra_{i}.py", "x = 1\n") for i in range(6000))
-    got = _grade(task.patch + extra, backend=backend)
+    got = grade_toy(task.patch + extra, backend=backend)
     assert got.reward == 1.0, got.verdict
     dropped = got.verdict["dropped"]  # the verdict keeps a bounded part of the list
     assert dropped[0] == {"path": "tests/test_extra_0.py", "reason": "tests_touched",

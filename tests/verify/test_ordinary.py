@@ -8,20 +8,13 @@ checked on text.
 
 from __future__ import annotations
 
-import asyncio
 import textwrap
-from pathlib import Path
 
 import pytest
-from conftest import grade_patch, sandbox_backend
+from conftest import grade_toy, toy_task
 
-from legorl.records import Task, read_jsonl
-from legorl.verify import VerifyConfig
 from legorl.verify.ordinary import LINE, read_pytest, read_unittest
 
-ROOT = Path(__file__).resolve().parents[2]
-TASKS = ROOT / "fixtures" / "tasks"
-TASK_ID = "legorl-toy__geometry-1"
 F2P = "tests/test_geometry.py::test_rectangle_area_non_square"
 
 #: The fix, made only where the judged run's tells show (the bug kept everywhere else).
@@ -40,39 +33,22 @@ RIGHT_WHILE_GRADED = textwrap.dedent(
 )
 
 
-def _task() -> Task:
-    return next(t for t in read_jsonl(TASKS / "train.jsonl", Task) if t.instance_id == TASK_ID)
-
-
-def _grade(patch: str, backend: str, off: frozenset[str] = frozenset()):
-    graded = grade_patch(
-        _task(),
-        patch,
-        backend=sandbox_backend(backend),
-        tasks_dir=TASKS,
-        config=VerifyConfig(defences_off=off),
-        run_id="legorl-test-ordinary",
-        trajectory_id="ordinary",
-    )
-    return asyncio.run(graded)
-
-
 @pytest.mark.parametrize("backend", ["docker", "local"])
 def test_a_fix_made_only_while_judged_fails_the_ordinary_run(backend: str) -> None:
-    got = _grade(RIGHT_WHILE_GRADED, backend)
+    got = grade_toy(RIGHT_WHILE_GRADED, backend=backend)
     assert got.reward == 0.0, got.verdict
     assert "ordinary_failed" in got.hack_flags
     assert got.verdict["tests"][F2P] == "failed_ordinarily"
     assert got.verdict["ordinary"]["failed"] == [F2P]
     # The control: without the ordinary run the judged run alone passes it.
-    control = _grade(RIGHT_WHILE_GRADED, backend, off=frozenset({"ordinary_run"}))
+    control = grade_toy(RIGHT_WHILE_GRADED, backend=backend, off=frozenset({"ordinary_run"}))
     assert control.reward == 1.0, control.verdict
     assert "ordinary" not in control.verdict
     # The gold fix passes both runs; a failing candidate is never run ordinarily.
-    gold = _grade(_task().patch, backend)
+    gold = grade_toy(toy_task().patch, backend=backend)
     assert gold.reward == 1.0, gold.verdict
     assert gold.verdict["ordinary"] == {"exit_code": 0, "timed_out": False}
-    empty = _grade("", backend)
+    empty = grade_toy("", backend=backend)
     assert empty.reward == 0.0 and "ordinary" not in empty.verdict
 
 
