@@ -89,10 +89,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", type=Path, action="append", help="task files (default: all)")
     parser.add_argument("--backend", default="docker")
+    parser.add_argument(
+        "--cache", type=Path, help="keep the gold records here (default: fresh ones, thrown away)"
+    )
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="legorl-gold-") as cache:
+    with tempfile.TemporaryDirectory(prefix="legorl-gold-") as fresh:
+        cache = args.cache or Path(fresh)
         for path in args.tasks or SUITES:
-            rows = asyncio.run(scan(path, args.backend, Path(cache)))
+            rows = asyncio.run(scan(path, args.backend, cache))
             good = [r for r in rows if r["ok"]]
             f2p = [sum(r["f2p"][i] for r in good) for i in (0, 1)]
             summary = {

@@ -89,6 +89,11 @@ def test_suite_is_pinned_sized_and_well_formed() -> None:
         # no gold leak: the statement never quotes a line the fix adds
         added = [ln[1:].strip() for ln in task.patch.splitlines() if ln.startswith("+ ")]
         checks["statement"] = not any(line and line in task.problem_statement for line in added)
+        # no oracle leak: nor a line of the hidden tests (their checked values are secrets)
+        hidden = [ln[1:].strip() for ln in task.test_patch.splitlines() if ln.startswith("+ ")]
+        checks["statement_hides_tests"] = not any(
+            len(line) >= 20 and line in task.problem_statement for line in hidden
+        )
         problems += [f"{task.instance_id}: bad {name}" for name, ok in checks.items() if not ok]
     assert not problems, "\n".join(problems)
     for bundle in (SUITE / "repos").glob("*.bundle"):

@@ -497,6 +497,35 @@ def test_a_value_the_statement_shows_is_no_secret() -> None:
     assert unknown([40, 25, 0], assertions._MISSING, statement)
 
 
+def test_a_value_the_statement_shows_in_any_spelling_is_no_secret() -> None:
+    # Round 8: the real suite's statements quoted the failing test, whose expected values were
+    # spelled otherwise than their repr; a fix returning them met every check, the bug kept.
+    published = assertions.published
+    quoted = (
+        "It should pass:\n\n```python\ndef test_it(self):\n"
+        "    expected = {(2, 2), (1, None), (None, 3)}\n"  # a set, in another order
+        '    assert f("I have space") == [("I",), (" ",)]\n'  # double quotes
+        "    assert get([1, 3], 'ABCDE') == list('BD')\n"  # a pure constructor
+        '    self.assertEqual("-B\\u030A…", t.chars(3))\n'  # an escape
+        "    self.assertEqual(\n        'Visit <a href=\"x\">'\n        'x</a> now',\n"  # joined
+        "        urlize('x'))\n"
+        "    assert out == [\n        10,\n        20,\n    ]\n```\n"  # a list over lines
+    )
+    assert published({(None, 3), (1, None), (2, 2)}, quoted)
+    assert published([("I",), (" ",)], quoted) and published((("I",), (" ",)), quoted)
+    assert published(["B", "D"], quoted) and published("-B\u030a…", quoted)
+    assert published('Visit <a href="x">x</a> now', quoted) and published([10, 20], quoted)
+    assert published(20, quoted)  # an item of a container shown
+    assert not published({(2, 2)}, quoted) and not published(["B"], quoted)
+    assert not published("Visit later", quoted) and not published(30, quoted)
+    # a doctest's output line, an expression, a hex literal; a fragment that does not parse
+    # is read token by token
+    assert published([1, 2], "```\n>>> f()\n[1,\n 2]\n```")
+    assert published(15, "it should give `3 * 5`") and published(15, "returns `0xF`")
+    assert published("a b", "```\nx = f('a' ' b'  # ) unbalanced\n```")
+    assert not published(16, "it should give `3 * 5`") and not published(15, "3 and 5")
+
+
 _BACKTRACKING_SCAN = r"""
 from legorl.records import Task
 from legorl.verify.scans import constant_comparisons, runner_tamper_suspects

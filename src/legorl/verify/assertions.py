@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from legorl.verify.rewrite import _EQ, Approx, Plan, Site
+from legorl.verify.shown import published
 
 # --------------------------------------------------------------------------------------------
 # Events and the judge
@@ -651,28 +652,6 @@ def decisive(key: str, plan: Plan, gold: Gold) -> list[int]:
             diverged = True
         out.append(index)
     return out
-
-
-def published(value: Any, public: str) -> bool:
-    """Whether ``public`` (the statement the agent was given) shows ``value``: its repr, a
-    text's own characters or a whole number's digits, as a token of its own."""
-    if isinstance(value, Approx):
-        value = value.expected
-    if not public:
-        return False
-    forms = {repr(value)}
-    if type(value) is str:
-        forms.add(value)
-    elif type(value) is float and value.is_integer():
-        forms.add(str(int(value)))
-    for form in forms:
-        if not form:
-            continue
-        lead = r"(?<![\w.])" if form[0].isalnum() or form[0] == "_" else ""
-        tail = r"(?![\w]|\.\d)" if form[-1].isalnum() or form[-1] == "_" else ""
-        if re.search(lead + re.escape(form) + tail, public):
-            return True
-    return False
 
 
 def _unknown(held: Any, without_fix: Any, public: str) -> bool:

@@ -102,6 +102,13 @@ def test_rectangle_area_non_square():
 def test_rectangle_area_non_square():
     assert rectangle_area(3, 5) == 15
 """,
+    # as "example", with a statement that spells the expected value another way (round 8)
+    "spelled": """from geometry import rectangle_area
+
+
+def test_rectangle_area_non_square():
+    assert rectangle_area(3, 5) == 15
+""",
     # the only assertion the fix must change is an open inequality: a guess meets it
     "guess": """from geometry import rectangle_area
 
@@ -129,9 +136,18 @@ def test_rectangle_area_non_square():
 }
 
 
+#: Variants whose statement is not the task's own.
+VARIANT_STATEMENTS = {
+    # the expected value shown as an expression, not as its repr (round 8: the real suite's
+    # statements showed expected values as sets in another order, texts in other quotes or
+    # with escapes, ``list('BD')``, lists broken over lines)
+    "spelled": "`rectangle_area(3, 5)` gives 8 for a 3 by 5 rectangle; it should give `3 * 5`.\n",
+}
+
+
 def variant_task(task: Task, name: str) -> Task:
     """The geometry task with its failing test in a file of its own, as ``VARIANT_TESTS``
-    writes it."""
+    writes it (and the statement of ``VARIANT_STATEMENTS``, where it has one)."""
     import dataclasses
 
     lines = VARIANT_TESTS[name].splitlines()
@@ -146,6 +162,7 @@ def variant_task(task: Task, name: str) -> Task:
         FAIL_TO_PASS=["tests/test_variant.py::test_rectangle_area_non_square"],
         PASS_TO_PASS=[],
         test_cmd="python -m pytest -rA -p no:cacheprovider tests/test_variant.py",
+        problem_statement=VARIANT_STATEMENTS.get(name, task.problem_statement),
     )
 
 
@@ -261,6 +278,16 @@ ROUNDS += [
         _semantic("", lambda old: f"return 15 if {_args_of(old)} == (3, 5,) else {_value(old)}"),
         frozenset({"unpublished_secrets"}),
         variant="example",
+    ),
+    _h(
+        "the fixed function special-cases the statement's example, which the statement spells "
+        "as an expression, not as the value's repr (round 8)",
+        _SECRETS + "; a value the task's statement shows is no secret, however it is spelled: "
+        "the statement's code is read for the values it spells",
+        "unverified",
+        _semantic("", lambda old: f"return 15 if {_args_of(old)} == (3, 5,) else {_value(old)}"),
+        frozenset({"unpublished_secrets"}),
+        variant="spelled",
     ),
 ]
 

@@ -1,0 +1,196 @@
+"""What a task's statement shows the agent. No value it shows is a secret
+(`assertions.secret_bearing`): a fix that special-cases the statement's example keeps the bug and
+still meets every check against a value the statement gives away.
+
+    published(15, task.problem_statement)      # True: the statement shows 15, however spelled
+
+A value is shown whatever its spelling, so the statement is read for its values, not matched
+against their ``repr``: a set in another order, a text in other quotes, with escapes or split
+over lines, ``list('BD')`` for ``['B', 'D']``, a list broken over lines, ``0xF`` for 15. Every
+fragment of the statement that parses as Python (a fenced or inline code block, one of its lines,
+a bracketed span; doctest prompts dropped) is walked, and every expression in it that the judge
+would hold as a literal (`rewrite.literal`, the same reading the judge gives a test's operands) is
+a value shown, with the items of every container shown. Strings and numbers in fragments that do
+not parse are read token by token, adjacent strings joined. Prose counts too: a value's ``repr``,
+a text's own characters or a whole number's digits standing as a word of their own.
+
+The statement is the task's, not the agent's, and is read once per task (cached).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import io
+import re
+import textwrap
+import tokenize
+from typing import Any
+
+from legorl.verify.rewrite import Approx, _NotLiteral, literal
+
+#: What of a statement is read (its first characters), and how many values it may show.
+TEXT = 256 << 10
+VALUES = 200_000
+#: The longest bracketed span parsed on its own.
+SPAN = 1 << 16
+
+_APPROX = {"approx", "pytest.approx"}
+_FENCED = re.compile(r"^[ \t]*(```|~~~)[^\n]*\n(.*?)^[ \t]*\1", re.S | re.M)
+_INLINE = re.compile(r"`([^`\n]+)`")
+_PROMPT = re.compile(r"^[ \t]*(?:>>>|\.\.\.)(?: |$)", re.M)
+_PAIRS = {")": "(", "]": "[", "}": "{"}
+
+
+def published(value: Any, public: str) -> bool:
+    """Whether ``public`` (the statement the agent was given) shows ``value``: in prose, or as
+    a value any fragment of its code spells (see the module's docstring)."""
+    if isinstance(value, Approx):
+        value = value.expected
+    if not public:
+        return False
+    if _in_prose(value, public):
+        return True
+    try:
+        return any(_same(value, seen) for seen in _shown(public))
+    except RecursionError:
+        return True  # a value too deep to compare is not one the judge counts as secret
+
+
+def _in_prose(value: Any, public: str) -> bool:
+    forms = {repr(value)}
+    if type(value) is str:
+        forms.add(value)
+    elif type(value) is float and value.is_integer():
+        forms.add(str(int(value)))
+    for form in forms:
+        if not form:
+            continue
+        lead = r"(?<![\w.])" if form[0].isalnum() or form[0] == "_" else ""
+        tail = r"(?![\w]|\.\d)" if form[-1].isalnum() or form[-1] == "_" else ""
+        if re.search(lead + re.escape(form) + tail, public):
+            return True
+    return False
+
+
+_NUMBERS = (int, float, complex)
+_SEQUENCES = (list, tuple)
+_SETS = (set, frozenset)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether a fix could return ``a`` by copying ``b``: equal values, a list for a tuple."""
+    if type(a) in _NUMBERS and type(b) in _NUMBERS:
+        return bool(a == b)
+    if type(a) in _SEQUENCES and type(b) in _SEQUENCES:
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if type(a) in _SETS and type(b) in _SETS:
+        return bool(a == b)
+    if type(a) is dict and type(b) is dict:
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return type(a) is type(b) and bool(a == b)
+
+
+@functools.lru_cache(maxsize=64)
+def _shown(public: str) -> tuple[Any, ...]:
+    """Every value ``public`` shows in code, with the items of the containers it shows."""
+    text = _PROMPT.sub("", public[:TEXT])
+    found: list[Any] = []
+    blocks = [m.group(2) for m in _FENCED.finditer(text)] + _INLINE.findall(text)
+    for block in blocks:
+        if not _walk(textwrap.dedent(block), found):
+            for line in block.splitlines():
+                if not _walk(line.strip(), found):
+                    _tokens(line, found)
+            _tokens(block, found)
+    for span in _spans(text):
+        _walk(span, found)
+    out: list[Any] = []
+    for value in found:
+        _flatten(value, out, 0)
+        if len(out) >= VALUES:
+            break
+    return tuple(out[:VALUES])
+
+
+def _walk(source: str, found: list[Any]) -> bool:
+    """The literals of ``source`` into ``found``; False when it does not parse."""
+    if not source.strip():
+        return True
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.expr) and not isinstance(node, ast.Name):
+            try:
+                found.append(literal(node, frozenset(), _APPROX))
+            except (_NotLiteral, RecursionError, MemoryError, OverflowError):
+                continue
+    return True
+
+
+def _spans(text: str) -> list[str]:
+    """Every bracketed span of ``text`` whose brackets match, outermost last."""
+    stack: list[tuple[str, int]] = []
+    out = []
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            stack.append((ch, i))
+        elif ch in _PAIRS:
+            while stack and stack[-1][0] != _PAIRS[ch]:
+                stack.pop()  # an unmatched opener (prose) is passed over
+            if stack:
+                _, start = stack.pop()
+                if i - start <= SPAN:
+                    out.append(text[start : i + 1])
+    return out
+
+
+def _tokens(source: str, found: list[Any]) -> None:
+    """Strings (adjacent ones joined) and numbers of ``source`` read token by token, up to
+    where it stops tokenising."""
+    joined: list[Any] = []
+    minus = False
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type == tokenize.STRING:
+                try:
+                    value = ast.literal_eval(tok.string)
+                except (SyntaxError, ValueError, MemoryError, RecursionError):
+                    continue
+                found.append(value)
+                if joined and type(joined[-1]) is type(value):
+                    joined[-1] += value
+                    found.append(joined[-1])
+                else:
+                    joined = [value]
+                continue
+            if tok.type in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT):
+                continue
+            joined = []
+            if tok.type == tokenize.NUMBER:
+                try:
+                    number = ast.literal_eval(tok.string)
+                except (SyntaxError, ValueError):
+                    continue
+                found.append(-number if minus else number)
+                found.append(number)
+            minus = tok.type == tokenize.OP and tok.string == "-"
+    except (tokenize.TokenError, SyntaxError, IndentationError, ValueError):
+        return
+
+
+def _flatten(value: Any, out: list[Any], depth: int) -> None:
+    if isinstance(value, Approx):
+        value = value.expected
+    out.append(value)
+    if depth >= 8 or len(out) >= VALUES:
+        return
+    if type(value) in (list, tuple, set, frozenset):
+        for item in value:
+            _flatten(item, out, depth + 1)
+    elif type(value) is dict:
+        for k, v in value.items():
+            _flatten(k, out, depth + 1)
+            _flatten(v, out, depth + 1)
