@@ -85,7 +85,11 @@ def _traj(task: Task, tid: str, patch: str) -> Trajectory:
 
 
 async def _batch(
-    trajs: list[Trajectory], task: Task, backend: Any, config: VerifyConfig
+    trajs: list[Trajectory],
+    task: Task,
+    backend: Any,
+    config: VerifyConfig,
+    load_turns: Any = lambda t: [],
 ) -> dict[str, Trajectory]:
     out = {}
     async for graded in verify(
@@ -94,7 +98,7 @@ async def _batch(
         backend=backend,
         tasks_dir=str(TASKS),
         run_id=f"legorl-test-{uuid.uuid4().hex[:8]}",
-        load_turns=lambda t: [],
+        load_turns=load_turns,
         concurrency=2,
         config=config,
     ):
@@ -116,6 +120,23 @@ def test_patch_attributes_do_not_reach_the_graders_git(backend_name: str) -> Non
     assert {"path": "tests/test_geometry.py", "reason": "tests_touched", "action": "restored"} in (
         graded.verdict["dropped"]
     )
+
+
+def test_turns_that_cannot_be_read_leave_the_patch_graded() -> None:
+    """Turns only feed hack flags: a trajectory whose turns do not read (round 8: any error
+    of the reader gave a null reward, with no control) is graded on its patch all the same."""
+    task = _task()
+    backend = _backend("docker")
+
+    def unreadable(traj: Trajectory) -> list:
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a turn file that does not decode")
+
+    trajs = [_traj(task, "gold", task.patch), _traj(task, "empty", "")]
+    got = asyncio.run(_batch(trajs, task, backend, VerifyConfig(), load_turns=unreadable))
+    assert got["gold"].reward == 1.0 and got["empty"].reward == 0.0
+    for graded in got.values():
+        assert graded.verdict["turns_unread"].startswith("UnicodeDecodeError")
+        assert "grading_failed" not in graded.hack_flags
 
 
 class _Blowup:

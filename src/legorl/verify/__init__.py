@@ -532,7 +532,8 @@ async def verify(
 ) -> AsyncIterator[Trajectory]:
     """Grade trajectories (at most ``concurrency`` at once), yielding each in input order.
     One trajectory's grading cannot stop the batch: an exception while grading it, or a null
-    reward, is settled by a control grading of the empty patch (``control.py``)."""
+    reward, is settled by a control grading of the empty patch (``control.py``). Turns that
+    cannot be read (they only feed hack flags) leave the patch graded, noted ``turns_unread``."""
     config = config or VerifyConfig()
     gate = asyncio.Semaphore(max(1, concurrency))
     controls = Controls()
@@ -547,13 +548,13 @@ async def verify(
         task = tasks.get(traj.task_id)
         if task is None:
             raise KeyError(traj.task_id)
+        unread = ""
         try:
             turns = await asyncio.to_thread(load_turns, traj)
-        except Exception as exc:
-            why = f"its turns could not be read: {type(exc).__name__}: {str(exc)[:300]}"
-            return replace(traj, reward=None, verdict={"resolved": None, "reason": why})
+        except Exception as exc:  # turns only feed hack flags: the patch is graded all the same
+            turns, unread = [], f"{type(exc).__name__}: {str(exc)[:300]}"
         async with gate:
-            return await grade(
+            graded = await grade(
                 traj,
                 task,
                 backend=backend,
@@ -563,6 +564,10 @@ async def verify(
                 config=config,
                 controls=controls,
             )
+        if unread:
+            verdict = bounded({**(graded.verdict or {}), "turns_unread": unread})
+            graded = replace(graded, verdict=verdict)
+        return graded
 
     futures = [asyncio.ensure_future(one(t)) for t in trajectories]
     try:
