@@ -202,25 +202,50 @@ def ignored(root: str, git: dict[str, str], paths: list[str]) -> set[str]:
 
 def write_tree(root: str, git: dict[str, str], base: str, rows: list[dict[str, Any]]) -> str:
     """A tree object: ``base`` with ``rows`` (from ``changes``) applied, blobs stored as the
-    raw bytes on disk. Needs ``git['index']`` (a throw-away index) and a writable store."""
+    raw bytes on disk. Needs ``git['index']`` (a throw-away index) and a writable store. The
+    regular files' blobs are stored by one git process (a tree of 70,000 new files took one
+    process a file, 16 minutes of a grading, round 8); each must hash as the walk saw it."""
     _run(clean_git("read-tree", base, **git))
     info = []
+    batch: list[tuple[str, str, str]] = []  # (path, mode, sha) of regular files
     for row in rows:
         path = row["path"]
         if row["after"] is None:
             info.append(b"0 " + b"0" * 40 + b"\t" + os.fsencode(path))
             continue
-        got = _entry(os.path.join(root, path))
+        full = os.path.join(root, path)
+        try:
+            st = os.lstat(full)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode) and "\n" not in full:
+            batch.append((path, *row["after"]))
+            continue
+        got = _entry(full)  # a symlink (its target is its blob), or a path git reads by line
         if got is None:
             continue
         mode, sha, data = got
-        stored = _run(clean_git("hash-object", "-w", "--no-filters", "--stdin", **git), data)
-        if stored.decode().strip() != sha:
-            raise RuntimeError(f"{path}: git stored another hash than the bytes' own")
+        _store_one(git, path, sha, data)
         info.append(f"{mode} {sha}".encode() + b"\t" + os.fsencode(path))
+    if batch:
+        names = "".join(os.path.join(root, path) + "\n" for path, _, _ in batch)
+        argv = clean_git("hash-object", "-w", "--no-filters", "--stdin-paths", **git)
+        stored = _run(argv, os.fsencode(names)).decode().split()
+        for (path, mode, sha), got_sha in zip(batch, stored, strict=False):
+            if got_sha != sha:
+                raise RuntimeError(f"{path}: git stored another hash than the bytes' own")
+            info.append(f"{mode} {sha}".encode() + b"\t" + os.fsencode(path))
+        if len(stored) != len(batch):
+            raise RuntimeError(f"hash-object stored {len(stored)} of {len(batch)} files")
     if info:
         _run(clean_git("update-index", "-z", "--index-info", **git), b"\0".join(info) + b"\0")
     return _run(clean_git("write-tree", **git)).decode().strip()
+
+
+def _store_one(git: dict[str, str], path: str, sha: str, data: bytes) -> None:
+    stored = _run(clean_git("hash-object", "-w", "--no-filters", "--stdin", **git), data)
+    if stored.decode().strip() != sha:
+        raise RuntimeError(f"{path}: git stored another hash than the bytes' own")
 
 
 def tree_diff(git: dict[str, str], base: str, tree: str) -> bytes:
