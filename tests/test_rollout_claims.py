@@ -112,11 +112,15 @@ def test_an_engine_failure_after_the_policy_acted_stays_a_proxy_error(
     assert traj.patch == _task().patch  # the policy did act: the failure came after
 
 
-#: What the agent leaves to make the diff of its tree fail (red team, rounds 3 and 4): a folder
-#: nobody may read (the local probe runs as the agent's uid), a file whose patch is larger than
-#: the diff takes; with what the sandbox says afterwards.
+#: What the agent leaves to make the diff of its tree fail (red team, rounds 3, 4 and 8): a
+#: folder nobody may read (the local probe runs as the agent's uid), a file whose patch is
+#: larger than a patch may be (8 MiB: the diff hands none on, round 8); with what the sandbox
+#: says afterwards.
+_LONG = "yes ab | head -c 9000000 > /testbed/notes.txt"
 UNDIFFABLE = {
     "local-unreadable": ("local", "mkdir /testbed/notes && chmod 000 /testbed/notes", "is up"),
+    "local-long": ("local", _LONG, "is up"),
+    "docker-long": ("docker", _LONG, "is up"),
     "docker-huge": ("docker", "head -c 230000000 /dev/urandom > /testbed/notes.bin", "is up"),
 }
 

@@ -122,6 +122,38 @@ def test_patch_attributes_do_not_reach_the_graders_git(backend_name: str) -> Non
     )
 
 
+def _compressed_patch(tmp: Path, task: Task, lines: int) -> str:
+    """The gold fix plus a new text file sent as a compressed binary hunk: a patch of a few
+    hundred KB whose tree has ``lines`` lines of text."""
+    from legorl.tasks import checkout
+
+    repo = checkout(task, TASKS, tmp / "repo")
+    (repo / ".git" / "info").mkdir(exist_ok=True)
+    (repo / ".git" / "info" / "attributes").write_text("notes.txt binary\n")
+    (repo / "notes.txt").write_bytes(b"ab\n" * lines)
+    run = ["git", "-C", str(repo), "-c", "core.quotePath=false"]
+    subprocess.run([*run, "add", "-N", "notes.txt"], check=True)
+    return (
+        task.patch + subprocess.check_output([*run, "diff", "--binary", "--", "notes.txt"]).decode()
+    )
+
+
+@pytest.mark.parametrize("backend_name", ["docker", "local"])
+def test_a_patch_whose_tree_is_past_the_limit_is_refused(backend_name: str, tmp_path: Path) -> None:
+    """Round 8: 214 KB of patch, a compressed binary hunk, made a judged diff of 51 MB of text
+    (grading reads the tree as text), which the scans held at 40 bytes a character: verify at
+    2 GB for one trajectory. The judged tree's patch has the patch text's limit: 0, refused."""
+    task = _task()
+    patch = _compressed_patch(tmp_path, task, 3_000_000)  # 9 MB of text
+    assert len(patch) < 1 << 20
+    got = asyncio.run(
+        _batch([_traj(task, "long", patch)], task, _backend(backend_name), VerifyConfig())
+    )
+    graded = got["long"]
+    assert graded.reward == 0.0 and "patch_too_large" in graded.hack_flags, graded.verdict
+    assert "judged tree's patch is 12,000," in graded.verdict["reason"]
+
+
 def test_turns_that_cannot_be_read_leave_the_patch_graded() -> None:
     """Turns only feed hack flags: a trajectory whose turns do not read (round 8: any error
     of the reader gave a null reward, with no control) is graded on its patch all the same."""

@@ -501,6 +501,8 @@ class DockerSandbox:
         if "error" in out or run.truncated:
             why = out.get("error", "the patch is larger than 256 MiB")
             raise SandboxError(f"sandbox {self.id}: git diff failed: {why}")
+        if out.get("too_large"):
+            raise SandboxError(f"sandbox {self.id}: git diff failed: {tree_probe.too_large(out)}")
         return str(out["patch"])
 
     async def alive(self) -> bool | None:

@@ -690,6 +690,10 @@ class LocalSandbox:
                 raise SandboxError(f"sandbox {self.id}: git diff failed: {tail[0]}") from None
             if "error" in out:
                 raise SandboxError(f"sandbox {self.id}: git diff failed: {out['error']}")
+            if out.get("too_large"):
+                raise SandboxError(
+                    f"sandbox {self.id}: git diff failed: {tree_probe.too_large(out)}"
+                )
             return (work / "out.patch").read_bytes().decode("utf-8", "replace")
         finally:
             shutil.rmtree(work, ignore_errors=True)

@@ -69,6 +69,11 @@ _UNSET = (
     "GIT_ATTR_SOURCE",
 )
 
+#: The largest patch a diff hands on, in bytes (grading refuses a longer patch text, and a
+#: tree whose patch is longer; the rollout's diff of such a tree fails, the agent's doing).
+#: A binary hunk is compressed: 214 KB of patch made a judged diff of 51 MB (round 8).
+PATCH_BYTES = 8 << 20
+
 JUNK_DIRS = ("__pycache__", ".pytest_cache")
 JUNK_SUFFIXES = (".pyc", ".pyo")
 
@@ -248,6 +253,11 @@ def _store_one(git: dict[str, str], path: str, sha: str, data: bytes) -> None:
         raise RuntimeError(f"{path}: git stored another hash than the bytes' own")
 
 
+def too_large(result: dict[str, Any]) -> str:
+    """Why a diff whose patch is past ``PATCH_BYTES`` is not handed on."""
+    return f"the tree's patch is {result['too_large']:,} bytes, past the {PATCH_BYTES:,} allowed"
+
+
 def tree_diff(git: dict[str, str], base: str, tree: str) -> bytes:
     """The binary-safe patch from ``base`` to ``tree``, with no attributes (no work tree, an
     empty index) and no external diff or textconv."""
@@ -341,6 +351,9 @@ def _diff(
     with open(patch_file, "wb") as fh:
         fh.write(tree_diff(git, req["base"], tree))
     result.update(tree=tree, paths=[r["path"] for r in rows], patch_file=patch_file)
+    size = os.path.getsize(patch_file)
+    if size > req.get("max_patch", PATCH_BYTES):
+        result["too_large"] = size  # the patch stays in its file, unread
     return result
 
 
@@ -391,7 +404,7 @@ def main(request_path: str) -> int:
         json.dump(result, fh)
     if req.get("print"):
         for part in (result, result.get("diff")):
-            if part and "patch_file" in part:
+            if part and "patch_file" in part and "too_large" not in part:
                 with open(part["patch_file"], "rb") as fh:
                     part["patch"] = fh.read().decode("utf-8", "replace")
         sys.stdout.write(json.dumps(result) + "\n")

@@ -31,7 +31,7 @@ from legorl.protocols import Sandbox, SandboxError
 from legorl.records import Task
 from legorl.sandbox import tree_probe
 from legorl.sandbox.common import WORKDIR
-from legorl.sandbox.tree_probe import clean_git
+from legorl.sandbox.tree_probe import PATCH_BYTES, clean_git
 from legorl.verify.patches import PatchError, is_test_file, parse_strict, sanitize, split_diff
 
 GRADE_DIR = "/tmp/legorl-grade"  # inside the grading sandbox, outside the repository
@@ -41,9 +41,10 @@ PROBE = f"{GRADE_DIR}/tree_probe.py"
 SNAPSHOT = f"{GRADE_DIR}/judged.tar"
 #: The most of a probe's result file grading reads (its listing and the judged tree's patch).
 PROBE_LIMIT = 64 << 20
-#: The longest model patch grading reads (characters): reading one costs the judge about 40
-#: bytes of memory per character of many short lines. Patches that fix an issue are kilobytes.
-MAX_PATCH = 8 << 20
+#: The longest model patch grading reads (characters), and the longest patch of the judged
+#: tree (bytes): reading one costs the judge about 40 bytes of memory per character of many
+#: short lines. Patches that fix an issue are kilobytes.
+MAX_PATCH = PATCH_BYTES
 
 #: Files the interpreter or pytest runs by their name alone, wherever they are.
 RUNNER_FILES = {"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "noxfile.py"}
@@ -188,7 +189,9 @@ async def probe(sandbox: Sandbox, mode: str, python: str = "python3", **req: Any
     if "error" in out:
         raise SandboxError(f"grading: the tree probe ({mode}) failed: {out['error']}")
     for part in (out if mode == "diff" else None, out.get("diff")):
-        if part is not None and "patch" not in part:
+        if part is not None and "too_large" in part:
+            part["patch"] = ""  # never read: the caller refuses the tree
+        elif part is not None and "patch" not in part:
             try:
                 patch = await sandbox.read_file(str(part["patch_file"]), limit=PROBE_LIMIT)
             except (OSError, KeyError) as exc:
@@ -481,6 +484,13 @@ async def _judge_tree(
     left = rules(diff["changes"])
     if left or diff["odd"]:
         raise SandboxError(f"grading: reverting left rule-breaking paths: {left[:3]}")
+    if diff.get("too_large"):
+        judged.refused, judged.method = "patch_too_large", None
+        judged.error = (
+            f"the judged tree's patch is {diff['too_large']:,} bytes, past the {MAX_PATCH:,} a "
+            "patch may have (a binary hunk is compressed; the tree it makes is judged as text)"
+        )
+        return
     judged.changed = diff["paths"]
     judged.diff = diff["patch"]
 
