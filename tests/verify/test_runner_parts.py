@@ -444,6 +444,22 @@ def test_the_containers_built_from_one_runs_operands_are_budgeted() -> None:
     assert [e.plain for e in assertions.by_test(records)["t"].events] == [[True], [False]]
 
 
+def test_the_walk_of_one_runs_operands_stops_at_its_budget() -> None:
+    # Round 9: eleven operands of 4,190,000 Nones each (under the sender's cap) were each
+    # walked whole before the budget was checked, 9 s of verify's event loop. The walk stops
+    # where the values left run out, and then the run's operands are spent.
+    import marshal
+
+    budget = assertions.Budget(values=1_000)
+
+    assert not assertions.marshal_sound(marshal.dumps([None] * 100_000, 2), budget)
+    assert (budget.containers, budget.hashing, budget.values) == (0, 0, 0)
+    assert not assertions.marshal_sound(marshal.dumps([1], 2), budget)
+    budget = assertions.Budget(values=3)
+    assert assertions.marshal_sound(marshal.dumps([1, 2], 2), budget)  # exactly three values
+    assert budget.values == 0
+
+
 def test_the_hashing_work_of_one_runs_operands_is_budgeted() -> None:
     # Round 4: a set of 150,000 ints that all hash to 0 (``i * (2**61 - 1)``), 2.2 MB marshalled
     # and under every byte cap, cost ``marshal.loads`` minutes of comparisons on verify's event

@@ -22,7 +22,8 @@ the plugin looked up by name), ``integrity`` (the guard's ``tampered`` records),
 in-process audit hook, `audit.py`), ``xfail_is_failure`` (an expected failure of a unittest
 test is not a pass), ``unittest_stream`` (off: a unittest-based runner is graded from its
 printed output alone, as the official harness grades it), ``ordinary_run`` (off: a pass needs
-no ordinary run of the task's own command, `ordinary.py`).
+no ordinary run of the task's own command, `ordinary.py`), ``pinned_containers`` (off: a
+membership's computed container need not equal the gold run's).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ DEFENCES = frozenset(
         "xfail_is_failure",
         "unittest_stream",
         "ordinary_run",
+        "pinned_containers",
     }
 )
 _EXTRA = ["-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", "."]
@@ -223,12 +225,13 @@ async def run_tests(
     if through_bootstrap:
         printed = await _tail(sandbox, log)
     parsed, parse_error = await _parse_printed(grader, printed, task)
-    # Read once, off the event loop: the stream is what the judged run wrote (up to its cap).
+    # Read once, and every reading of it off the event loop: the stream is what the judged run
+    # wrote (up to its cap); decoding its operands took 9 s of the loop (round 9).
     found, forged = await asyncio.to_thread(records, run.output.encode(), key.encode())
     if grader.kind == "output":
         results = _from_printed(parsed, task)
     else:
-        results = PytestReportParser().read(found, forged)
+        results = await asyncio.to_thread(PytestReportParser().read, found, forged)
     return TestRun(
         run=run,
         results=results,
@@ -236,7 +239,7 @@ async def run_tests(
         grader=grader,
         parsed=parsed,
         parse_error=parse_error,
-        events=assertions.by_test(found),
+        events=await asyncio.to_thread(assertions.by_test, found),
         records=[r for r in found if r.get("event") in ("a", "tb", "te")],
     )
 
@@ -424,6 +427,7 @@ def _judge_assertions(
             gold,
             bool(covered.get(test)),
             own_verdicts="own_verdicts" in off,
+            pin_in="pinned_containers" not in off,
         )
         counts[group][0] += verdict.judged_out
         counts[group][1] += verdict.judged_out + verdict.judged_in

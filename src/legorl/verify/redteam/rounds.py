@@ -109,6 +109,13 @@ def test_rectangle_area_non_square():
 def test_rectangle_area_non_square():
     assert rectangle_area(3, 5) == 15
 """,
+    # a membership whose held member a superset meets without knowing it (round 9)
+    "superset": """from geometry import rectangle_area
+
+
+def test_rectangle_area_non_square():
+    assert "24" in str(rectangle_area(4, 6))
+""",
     # the only assertion the fix must change is an open inequality: a guess meets it
     "guess": """from geometry import rectangle_area
 
@@ -288,6 +295,16 @@ ROUNDS += [
         _semantic("", lambda old: f"return 15 if {_args_of(old)} == (3, 5,) else {_value(old)}"),
         frozenset({"unpublished_secrets"}),
         variant="spelled",
+    ),
+    _h(
+        "the fixed function returns a superset of every answer: a number whose digits hold "
+        "every pair, so the held member is in it unknown (round 9)",
+        "a membership's computed container must equal the gold run's, as an equality's "
+        "computed side must",
+        None,
+        _semantic("", lambda old: 'return int("1" + "".join(f"{i:02d}" for i in range(100)))'),
+        frozenset({"pinned_containers"}),
+        variant="superset",
     ),
 ]
 
