@@ -231,3 +231,43 @@ def test_the_probe_stores_a_tree_of_many_files_with_a_few_git_processes(
     assert got["run.sh"][0] == "100755" and got["link"] == ("120000", tree_probe.blob_sha(b"a.py"))
     assert got["new\nline"] == ("100644", tree_probe.blob_sha(b"odd\n"))
     assert got["a.py"] == ("100644", tree_probe.blob_sha(b"x = 2\n"))
+
+
+def test_the_rollouts_diff_hands_on_its_patch_and_no_listing(tmp_path: Path) -> None:
+    """Round 9: ignored files below long folder names left the patch at 137 bytes but the
+    probe's result listed every one of them, and the local backend read it whole (803 MB for
+    100,000 files). The rollout's diff asks for no listing; grading's probe still gets one."""
+    import json
+
+    from legorl.sandbox import tree_probe
+
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "a.py").write_bytes(b"x = 1\n")
+    ident = ["-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "-C", str(repo), "add", "-A"], check=True)
+    subprocess.run(["git", "-C", str(repo), *ident, "commit", "-qm", "b"], check=True)
+    base = subprocess.check_output(["git", "-C", str(repo), "rev-parse", "HEAD"]).decode().strip()
+    (repo / ".gitignore").write_text("*.ign\n")
+    deep = repo / ("d" * 200) / ("e" * 200)
+    deep.mkdir(parents=True)
+    for i in range(300):
+        (deep / f"f{i}.ign").write_bytes(b"")
+    (repo / "a.py").write_bytes(b"x = 2\n")
+
+    def probe(listing: bool) -> dict[str, Any]:
+        out = tmp_path / f"out-{listing}"
+        req = {
+            "mode": "diff", "root": str(repo), "git_dir": str(repo / ".git"), "base": base,
+            "index": str(tmp_path / f"index-{listing}"), "out": str(out),
+            "skip_junk": True, "respect_ignores": True, "listing": listing,
+        }  # fmt: skip
+        assert tree_probe.main(json.dumps(req)) == 0
+        assert out.stat().st_size < (1 << 10 if not listing else 1 << 20)
+        return json.loads(out.read_text())
+
+    rollout, grading = probe(False), probe(True)
+    assert "changes" not in rollout and "odd" not in rollout and "paths" not in rollout
+    patch = Path(rollout["patch_file"]).read_text()
+    assert "a.py" in patch and "f0.ign" not in patch and ".gitignore" in patch
+    assert len(grading["changes"]) == 302 and grading["paths"] == [".gitignore", "a.py"]

@@ -466,9 +466,15 @@ class DockerSandbox:
             tmp.seek(0)
             helper = self.backend.helper_box(self.image, base_sha=self.base_sha)
             try:
+                # The daemon refuses some trees (round 9: a symlink that leaves the tree is
+                # an "invalid symlink"): a failure of this diff, never an error of the stage.
                 if not self.api.put_archive(helper.container_id, "/tmp", tmp):
                     raise SandboxError(f"sandbox {self.id}: copying the tree for the diff failed")
                 return helper.probe_diff("/tmp/testbed", f"{WORKDIR}/.git")
+            except docker.errors.APIError as exc:
+                raise SandboxError(
+                    f"sandbox {self.id}: copying the tree for the diff failed: {_short(exc)}"
+                ) from None
             finally:
                 helper.close_sync()
 
@@ -485,6 +491,7 @@ class DockerSandbox:
             "out": f"{work}-out",
             "skip_junk": True,
             "respect_ignores": True,
+            "listing": False,
             "print": True,
         }
         run = self.exec_sync(

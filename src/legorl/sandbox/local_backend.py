@@ -666,6 +666,7 @@ class LocalSandbox:
             "out": f"{inside}/out",
             "skip_junk": True,
             "respect_ignores": True,
+            "listing": False,
         }
         try:
             shutil.copy(tree_probe.__file__, work / "probe.py")
@@ -684,6 +685,8 @@ class LocalSandbox:
                 ),
             )
             try:
+                if (work / "out").stat().st_size > 1 << 20:  # the patch goes to its own file
+                    raise ValueError("the probe's result is past 1 MiB")
                 out = json.loads((work / "out").read_text())
             except (OSError, ValueError):
                 tail = result.output.strip().splitlines()[-1:] or ["(no output)"]

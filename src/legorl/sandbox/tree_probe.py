@@ -339,8 +339,11 @@ def _text(git: dict[str, str], root: str, row: dict[str, Any]) -> dict[str, str 
 def _diff(
     root: str, git: dict[str, str], req: dict[str, Any], rows: list[dict[str, Any]], odd: list[str]
 ) -> dict[str, Any]:
-    """The tree as it is against ``base``: its changes, and its patch written beside ``out``."""
-    result: dict[str, Any] = {"changes": rows, "odd": odd}
+    """The tree as it is against ``base``: its changes (unless the request says ``listing``
+    false: the rollout's diff wants the patch alone, and a tree of a million ignored files
+    made a listing of gigabytes, round 9), and its patch written beside ``out``."""
+    listing = req.get("listing", True)
+    result: dict[str, Any] = {"changes": rows, "odd": odd} if listing else {}
     if req.get("respect_ignores"):
         fresh = [r["path"] for r in rows if r["before"] is None]
         drop = ignored(root, git, fresh)
@@ -350,7 +353,9 @@ def _diff(
     patch_file = req["out"] + (".patch" if req["mode"] == "diff" else ".diff.patch")
     with open(patch_file, "wb") as fh:
         fh.write(tree_diff(git, req["base"], tree))
-    result.update(tree=tree, paths=[r["path"] for r in rows], patch_file=patch_file)
+    result.update(tree=tree, patch_file=patch_file)
+    if listing:
+        result["paths"] = [r["path"] for r in rows]
     size = os.path.getsize(patch_file)
     if size > req.get("max_patch", PATCH_BYTES):
         result["too_large"] = size  # the patch stays in its file, unread
