@@ -542,6 +542,23 @@ def test_a_value_the_statement_shows_in_any_spelling_is_no_secret() -> None:
     assert not published(16, "it should give `3 * 5`") and not published(15, "3 and 5")
 
 
+def test_a_closeness_a_shown_number_meets_is_no_secret() -> None:
+    # Round 10: the statement showed 1331.0000000000005 and the test checked approx(1331);
+    # copying the statement's number meets it, so it is no secret (an equality it is not).
+    from legorl.verify.rewrite import Approx, Site
+
+    statement = "`compound(1000, 0.1, 3)` gives 2300.0\n\nExpected: `1331.0000000000005`\n"
+    approx = Site(id="t.py:1:1", op="approx", held=[(False, None), (True, Approx(1331))])
+    almost = Site(id="t.py:2:1", op="almost", held=[(False, None), (True, 1331)])
+    almost.extra["places"] = 2
+    assert assertions._near_shown(approx, Approx(1331), statement)
+    assert assertions._near_shown(almost, 1331, statement)
+    assert not assertions._near_shown(approx, Approx(1400), statement)
+    assert not assertions._near_shown(almost, 1330, statement)
+    equal = Site(id="t.py:3:1", op="eq", held=[(False, None), (True, 1331)])
+    assert not assertions._near_shown(equal, 1331, statement)  # equality: shown or not
+
+
 _BACKTRACKING_SCAN = r"""
 from legorl.records import Task
 from legorl.verify.scans import constant_comparisons, runner_tamper_suspects

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from legorl.verify.rewrite import _EQ, Approx, Plan, Site
-from legorl.verify.shown import published
+from legorl.verify.shown import published, shown_numbers
 
 # --------------------------------------------------------------------------------------------
 # Events and the judge
@@ -712,7 +712,7 @@ def secret_bearing(key: str, index: int, plan: Plan, gold: Gold, public: str = "
 
     for operand, (is_held, value) in enumerate(site.held):
         if is_held and _unknown(value, without_fix(operand), public):
-            return True
+            return not _near_shown(site, value, public)
         handle = gold.handle(key, index, operand)
         if (
             not is_held
@@ -720,8 +720,18 @@ def secret_bearing(key: str, index: int, plan: Plan, gold: Gold, public: str = "
             and handle in plan.held
             and _unknown(plan.held[handle], without_fix(operand), public)
         ):
-            return True
+            return not _near_shown(site, plan.held[handle], public)
     return False
+
+
+def _near_shown(site: Site, held: Any, public: str) -> bool:
+    """Whether a number the statement shows meets a closeness check against ``held`` (round
+    10: the statement showed 1331.0000000000005 and the test checked ``approx(1331)``)."""
+    if site.op not in ("approx", "almost") or len(site.held) != 2:
+        return False
+    # As ``holds`` compares them: the computed side first, whichever side the held one is.
+    probe = Event(site.id, [], [], [])
+    return any(holds(site, [seen, held], probe) for seen in shown_numbers(public))
 
 
 def covered_tests(

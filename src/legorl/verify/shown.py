@@ -57,6 +57,22 @@ def published(value: Any, public: str) -> bool:
         return True  # a value too deep to compare is not one the judge counts as secret
 
 
+def shown_numbers(public: str) -> list[Any]:
+    """The numbers (and lists of them) ``public`` shows, for checks that a near value meets
+    (``approx``, ``assertAlmostEqual``): a shown 1331.0000000000005 meets ``approx(1331)``."""
+    if not public:
+        return []
+    numbers = (int, float)
+    found = [v for v in _shown(public) if type(v) in numbers]
+    found += [float(m) for m in re.findall(r"(?<![\w.])-?\d+(?:\.\d+)?(?:e-?\d+)?", public[:TEXT])]
+    found += [
+        v
+        for v in _shown(public)
+        if type(v) in (list, tuple) and v and all(type(x) in numbers for x in v)
+    ]
+    return found
+
+
 def _in_prose(value: Any, public: str) -> bool:
     forms = {repr(value)}
     if type(value) is str:
