@@ -559,6 +559,18 @@ def test_a_closeness_a_shown_number_meets_is_no_secret() -> None:
     assert not assertions._near_shown(equal, 1331, statement)  # equality: shown or not
 
 
+def test_a_held_container_or_pattern_a_guess_meets_is_no_secret() -> None:
+    # Round 11 (from the code): ``x in (0, 7919)`` is met by 0, a guess, and ``x in "a text"``
+    # by any part of it; ``match=".*error"`` by messages nobody was shown. A held container
+    # is a secret only when every member is; a pattern only when it is plain text.
+    assert not assertions._every_member_unknown((0, 7919), "")
+    assert not assertions._every_member_unknown(["shown", "secret"], "it printed `shown`")
+    assert not assertions._every_member_unknown("a secret text", "")
+    assert assertions._every_member_unknown((7919, 104729), "")
+    assert all(c in assertions._REGEX for c in ".*|")
+    assert not any(c in assertions._REGEX for c in "update expected at most 1 argument, got 2")
+
+
 _BACKTRACKING_SCAN = r"""
 from legorl.records import Task
 from legorl.verify.scans import constant_comparisons, runner_tamper_suspects

@@ -696,7 +696,10 @@ def secret_bearing(key: str, index: int, plan: Plan, gold: Gold, public: str = "
         return False
     if site.op == "raises":
         message = site.extra.get("message")
-        return type(message) is str and not guessable(message) and not published(message, public)
+        if type(message) is not str or guessable(message) or published(message, public):
+            return False
+        # A pattern (``match=``) is met by messages nobody was shown: only a plain text is one.
+        return site.extra.get("match") == "contains" or not any(c in _REGEX for c in message)
     if site.op not in _SECRET_OPS:
         return False
     unfixed = gold.empty.get(key, TestEvents()).events if gold.empty is not None else []
@@ -711,6 +714,15 @@ def secret_bearing(key: str, index: int, plan: Plan, gold: Gold, public: str = "
         return sides[0] if len(sides) == 1 else _MISSING
 
     for operand, (is_held, value) in enumerate(site.held):
+        # A held container is met by any one of its members (a text by any part of it): a
+        # secret only when every member is (round 11, from the code).
+        if (
+            is_held
+            and site.op == "in"
+            and operand == 1
+            and not _every_member_unknown(value, public)
+        ):
+            continue
         if is_held and _unknown(value, without_fix(operand), public):
             return not _near_shown(site, value, public)
         handle = gold.handle(key, index, operand)
@@ -721,6 +733,18 @@ def secret_bearing(key: str, index: int, plan: Plan, gold: Gold, public: str = "
             and _unknown(plan.held[handle], without_fix(operand), public)
         ):
             return not _near_shown(site, plan.held[handle], public)
+    return False
+
+
+#: Characters that make a ``match=`` pattern match more than its own text.
+_REGEX = frozenset(".^$*+?{}[]|()\\")
+
+
+def _every_member_unknown(container: Any, public: str) -> bool:
+    """Whether no member of a held container can be guessed or read in the statement (a text
+    container never: its every part, the empty text too, is a member)."""
+    if type(container) in (list, tuple, set, frozenset, dict) and container:
+        return all(not guessable(v) and not published(v, public) for v in container)
     return False
 
 
