@@ -236,12 +236,12 @@ def write_tree(root: str, git: dict[str, str], base: str, rows: list[dict[str, A
         names = "".join(os.path.join(root, path) + "\n" for path, _, _ in batch)
         argv = clean_git("hash-object", "-w", "--no-filters", "--stdin-paths", **git)
         stored = _run(argv, os.fsencode(names)).decode().split()
-        for (path, mode, sha), got_sha in zip(batch, stored, strict=False):
+        if len(stored) != len(batch):
+            raise RuntimeError(f"hash-object stored {len(stored)} of {len(batch)} files")
+        for (path, mode, sha), got_sha in zip(batch, stored, strict=True):
             if got_sha != sha:
                 raise RuntimeError(f"{path}: git stored another hash than the bytes' own")
             info.append(f"{mode} {sha}".encode() + b"\t" + os.fsencode(path))
-        if len(stored) != len(batch):
-            raise RuntimeError(f"hash-object stored {len(stored)} of {len(batch)} files")
     if info:
         _run(clean_git("update-index", "-z", "--index-info", **git), b"\0".join(info) + b"\0")
     return _run(clean_git("write-tree", **git)).decode().strip()
@@ -357,7 +357,7 @@ def _diff(
     if listing:
         result["paths"] = [r["path"] for r in rows]
     size = os.path.getsize(patch_file)
-    if size > req.get("max_patch", PATCH_BYTES):
+    if size > PATCH_BYTES:
         result["too_large"] = size  # the patch stays in its file, unread
     return result
 

@@ -63,13 +63,13 @@ def shown_numbers(public: str) -> list[Any]:
     if not public:
         return []
     numbers = (int, float)
-    found = [v for v in _shown(public) if type(v) in numbers]
-    found += [float(m) for m in re.findall(r"(?<![\w.])-?\d+(?:\.\d+)?(?:e-?\d+)?", public[:TEXT])]
-    found += [
+    found = [
         v
         for v in _shown(public)
-        if type(v) in (list, tuple) and v and all(type(x) in numbers for x in v)
+        if type(v) in numbers
+        or (type(v) in (list, tuple) and v and all(type(x) in numbers for x in v))
     ]
+    found += [float(m) for m in re.findall(r"(?<![\w.])-?\d+(?:\.\d+)?(?:e-?\d+)?", public[:TEXT])]
     return found
 
 
@@ -166,7 +166,7 @@ def _spans(text: str) -> list[str]:
 def _tokens(source: str, found: list[Any]) -> None:
     """Strings (adjacent ones joined) and numbers of ``source`` read token by token, up to
     where it stops tokenising."""
-    joined: list[Any] = []
+    joined: Any = None  # the strings read so far with nothing else between them
     minus = False
     try:
         for tok in tokenize.generate_tokens(io.StringIO(source).readline):
@@ -176,15 +176,15 @@ def _tokens(source: str, found: list[Any]) -> None:
                 except (SyntaxError, ValueError, MemoryError, RecursionError):
                     continue
                 found.append(value)
-                if joined and type(joined[-1]) is type(value):
-                    joined[-1] += value
-                    found.append(joined[-1])
+                if joined is not None and type(joined) is type(value):
+                    joined += value
+                    found.append(joined)
                 else:
-                    joined = [value]
+                    joined = value
                 continue
             if tok.type in (tokenize.NL, tokenize.NEWLINE, tokenize.COMMENT):
                 continue
-            joined = []
+            joined = None
             if tok.type == tokenize.NUMBER:
                 try:
                     number = ast.literal_eval(tok.string)
