@@ -62,6 +62,10 @@ def main(model: str, weights_in: str, out: str, prompt: int, resume: str) -> Non
         torch.save({k: v.detach().clone() for k, v in weights.items()}, Path(out) / "weights.pt")
         torch.save(state, Path(out) / "optimizer.pt")
     if sharded:
+        # rank 1 must not tear its group down while rank 0 still writes: a peer that leaves
+        # first aborts gloo's pending work on the other side ("terminate called without an
+        # active exception")
+        dist.barrier()
         dist.destroy_process_group()
 
 
