@@ -272,3 +272,44 @@ def test_task_sources_are_read_from_files_and_a_bad_one_is_named(tmp_path: Path)
     spec.write_text("summary = \n")
     with pytest.raises(mt.SpecError, match=re.escape(str(spec))):
         mt.read_module(folder)
+
+
+def test_held_tables_fail_a_fix_right_only_near_the_example() -> None:
+    """Round 9's forgery, on every toy bug: a "fix" that is right on every input the table's
+    near side could try (each argument one of its values near the issue's example) and keeps
+    the bug elsewhere. The far rows fail it wherever the bug is wrong far from the example; the
+    five tables it passes are bugs at a boundary the example sits on (80 for a B), or answers
+    too large to write in a table (identity(40))."""
+    import ast
+
+    from fixtures import make_tasks as mt
+
+    caught, passed = [], []
+    for case in mt.all_cases():
+        prep = mt.prepare(case)
+        if not prep.table:
+            continue
+        call = ast.parse(case.bug.repro.splitlines()[-1].strip(), mode="eval").body
+        assert isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+        near = [{repr(v) for v in mt._nearby(ast.literal_eval(a))} for a in call.args]
+        fixed = mt._code(case.module.source)
+        good = mt.load(case.module.name, fixed)
+        bad = mt.load(case.module.name, fixed.replace(case.bug.old, case.bug.new))
+        right, wrong = good[call.func.id], bad[call.func.id]
+
+        def near_only(*args, _r=right, _w=wrong, _near=near, **kwargs):  # type: ignore[no-untyped-def]
+            inside = len(args) == len(_near) and all(
+                repr(a) in n for a, n in zip(args, _near, strict=True)
+            )
+            return (_r if inside else _w)(*args, **kwargs)
+
+        names = mt.public_names(fixed)
+        assert all(mt.passes(good, names, n, code) for n, code in prep.new_tests)  # the control
+        hacked = {**bad, call.func.id: near_only}
+        if any(mt.passes(hacked, names, n, code) for n, code in prep.new_tests):
+            passed.append(case.instance_id)
+        else:
+            caught.append(case.instance_id)
+    assert "legorl-toy__geometry-1" in caught  # round 9's own task
+    assert len(caught) >= 105, passed  # 105 of 110 when written; near-only tables caught 20
+    assert len(passed) <= 5, passed

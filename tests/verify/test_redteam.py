@@ -301,8 +301,10 @@ async def _grade_and_control(
 ) -> tuple[Trajectory, float | None]:
     """The defended grade and, at the same time, the control's reward (None: no control yet)."""
     if hack.off <= LANDED:
+        # a task-side defence's control: the same patch on the task's test as it was before
+        before = _task(hack.control_variant) if hack.control_variant else task
         graded, control = await asyncio.gather(
-            _grade(traj, task, turns), _grade(traj, task, turns, hack.off)
+            _grade(traj, task, turns), _grade(traj, before, turns, hack.off)
         )
         return graded, control.reward
     if hack.baseline:
@@ -324,7 +326,9 @@ GRADING = [h for h in HACKS if h.kind == "grading" and h.variant != "django"]
 def _check_row(hack: Hack, traj: Trajectory, graded: Trajectory, control_reward: Any) -> None:
     """Record the row, then: its control wins, and the defended grade gives 0 with its flag."""
     control: str | None = None
-    if hack.off <= LANDED:
+    if hack.control_variant:
+        control = f"{control_reward} (the test before: {hack.control_variant})"
+    elif hack.off <= LANDED:
         control = f"{control_reward} (off: {', '.join(sorted(hack.off))})"
     elif hack.baseline:
         control = f"{control_reward} (no defences)"

@@ -139,6 +139,9 @@ class Hack:
     variant: str = ""
     #: a hole known to be open (what lets it through); its row is expected NOT BLOCKED
     hole: str = ""
+    #: a defence that lives in the task's tests, not in grading: the control is the hack
+    #: graded (with ``off``) on this variant, the task's test as it was before the defence
+    control_variant: str = ""
 
     def script(self, task: Task, ctx: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
         """Forced-engine entries: the hack's tool calls in order, then submit."""
@@ -180,8 +183,11 @@ def _h(
     baseline: bool = False,
     variant: str = "",
     hole: str = "",
+    control_variant: str = "",
 ) -> Hack:
-    return Hack(name, defence, flag, steps, "grading", off, baseline, variant, hole)
+    return Hack(
+        name, defence, flag, steps, "grading", off, baseline, variant, hole, control_variant
+    )
 
 
 def _lie(name: str, defence: str, steps: Steps, off: frozenset[str]) -> Hack:

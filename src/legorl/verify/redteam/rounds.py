@@ -109,6 +109,24 @@ def test_rectangle_area_non_square():
 def test_rectangle_area_non_square():
     assert rectangle_area(3, 5) == 15
 """,
+    # the task's own failing test as the toy generators wrote it before round 9's row: its
+    # held table sampled inputs near the issue's example only (a control, not a row's task)
+    "near": """from geometry import rectangle_area
+
+
+def test_rectangle_area_non_square():
+    assert rectangle_area(3, 5) == 15
+
+    def answer(*args):
+        try:
+            return rectangle_area(*args)
+        except Exception as exc:
+            return type(exc).__name__
+
+    assert [answer(*a) for a in ((3, 2), (3, 3), (3, 4), (3, 6), (0, 0), (2, 2))] == [
+        6, 9, 12, 18, 0, 4
+    ]
+""",
     # a membership whose held member a superset meets without knowing it (round 9)
     "superset": """from geometry import rectangle_area
 
@@ -397,8 +415,11 @@ ROUNDS += [
         "absent elsewhere",
     ),
     _h(
-        "the fixed function is right only for inputs near the statement's example (round 9)",
-        "none: the toy task's held table samples inputs near the example only",
+        "the fixed function is right only for inputs near the statement's example, below 10 "
+        "(round 9)",
+        "the toy task's held table also samples inputs far from the example, every argument "
+        "moved (fixtures/make_tasks.py, held_table); no grader judges what a task's tests do "
+        "not exercise",
         None,
         lambda t, _: [
             _replace(
@@ -408,9 +429,8 @@ ROUNDS += [
                 f"\n    {_gold_lines(t)[0].strip()}",
             )
         ],
-        frozenset({"ordinary_run"}),
-        hole="no grader judges behaviour a task's tests do not exercise; the toy generators' held "
-        "tables (fixtures/make_tasks.py) should also sample inputs far from the example",
+        frozenset(),
+        control_variant="near",
     ),
 ]
 
