@@ -268,6 +268,40 @@ def test_a_runner_config_too_long_to_parse_quickly_stays_text() -> None:
     ]
 
 
+def test_the_judge_parses_a_bounded_amount_of_runner_configuration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Round 12: 490 setup.cfg files of 64 KiB, lines just under CONFIG_LINE that configparser
+    # takes quadratic time over (a NUL makes each a 200-byte binary literal in the patch), held
+    # verify's event loop for about two minutes per grading pass, the gold fix beside them. The
+    # judge parses at most CONFIG_BUDGET bytes of configuration a tree; past it a changed one
+    # is a changed configuration, unread.
+    from legorl.verify import tree
+
+    line = "a" + " " * (tree.CONFIG_LINE - 3) + "b\n"
+    crafted = "#\x00\n[s]\n" + line * 63
+    rows = [_row(f"d{i}/setup.cfg", after_text=crafted) for i in range(490)]
+    parsed: list[str] = []
+    real = tree._pytest_sections
+    monkeypatch.setattr(tree, "_pytest_sections", lambda n, t: parsed.append(t or "") or real(n, t))
+    bad = judge(rows, hidden=set(), names=set(), roots=[""], base_paths=set())
+    assert bad == [(r["path"], "runner_config_touched") for r in rows]
+    assert 0 < sum(map(len, parsed)) <= tree.CONFIG_BUDGET
+    assert len(parsed) < 10  # of 490
+    # the control: within the budget a file whose pytest sections stay is parsed and kept
+    kept = _row(
+        "setup.cfg",
+        before=True,
+        before_text="[metadata]\nname = a\n",
+        after_text="[metadata]\nname = b\n",
+    )
+    changed = _row("setup.cfg", before=True, before_text="[tool:pytest]\n", after_text=crafted)
+    assert judge([kept], hidden=set(), names=set(), roots=[""], base_paths=set()) == []
+    assert judge([changed], hidden=set(), names=set(), roots=[""], base_paths=set()) == [
+        ("setup.cfg", "runner_config_touched")
+    ]
+
+
 def test_import_roots_follow_pytests_rootdir_rule() -> None:
     task = replace(
         toy_task(), FAIL_TO_PASS=["pkg/tests/test_a.py::t"], PASS_TO_PASS=["t2/test_b.py::t"]

@@ -542,6 +542,38 @@ def test_a_value_the_statement_shows_in_any_spelling_is_no_secret() -> None:
     assert not published(16, "it should give `3 * 5`") and not published(15, "3 and 5")
 
 
+def test_numbers_as_prose_writes_them_and_arithmetic_are_shown() -> None:
+    # Round 12 (from the code): the statement reader took a prose number only as its repr, so
+    # ``$12.00``, ``.25``, ``1,500`` or ``−2`` left 12.0, 0.25, 1500 and -2 secret, and
+    # read no ``2**10``, ``1/2`` or ``dict(a=1)`` in code; a fix special-casing such an
+    # example met its check with the bug kept.
+    published = assertions.published
+    for value, text in [
+        (3.5, "it costs 3.50 now"),
+        (12.0, "the total is $12.00"),
+        (0.25, "a rate of .25"),
+        (1500, "about 1,500 rows"),
+        (-2, "it gives −2"),
+        (1e21, "near 1e21"),
+        (1024, "it should be `2**10`"),
+        (0.5, "half: `1/2`"),
+        (2, "`7 // 3`"),
+        ({"a": 1}, "`dict(a=1)`"),
+    ]:
+        assert published(value, text), (value, text)
+    # the controls: other numbers, a date's parts are no numbers, no power past the bound
+    assert not published(3.4, "it costs 3.50 now") and not published(150, "about 1,500 rows")
+    assert not published(2, "on 2024-02-03") and not published(3, "on 2024-02-03")
+    assert not published(2**100, "`2**100`") and not published({"a": 2}, "`dict(a=1)`")
+    # a closeness against a dict the statement shows
+    from legorl.verify.rewrite import Approx, Site
+
+    site = Site(id="t.py:1:1", op="approx", held=[(False, None), (True, Approx({"a": 1331}))])
+    shown = "Expected: `{'a': 1331.0000000000005}`"
+    assert assertions._near_shown(site, Approx({"a": 1331}), shown)
+    assert not assertions._near_shown(site, Approx({"a": 1400}), shown)
+
+
 def test_a_closeness_a_shown_number_meets_is_no_secret() -> None:
     # Round 10: the statement showed 1331.0000000000005 and the test checked approx(1331);
     # copying the statement's number meets it, so it is no secret (an equality it is not).

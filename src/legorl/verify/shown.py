@@ -11,8 +11,10 @@ fragment of the statement that parses as Python (a fenced or inline code block, 
 a bracketed span; doctest prompts dropped) is walked, and every expression in it that the judge
 would hold as a literal (`rewrite.literal`, the same reading the judge gives a test's operands) is
 a value shown, with the items of every container shown. Strings and numbers in fragments that do
-not parse are read token by token, adjacent strings joined. Prose counts too: a value's ``repr``,
-a text's own characters or a whole number's digits standing as a word of their own.
+not parse are read token by token, adjacent strings joined; arithmetic on shown numbers
+(``2**10``, ``1/2``) and ``dict(a=1)`` are values too. Prose counts as well: a value's ``repr``,
+a text's own characters standing as a word of their own, and any number as prose writes it
+(``3.50``, ``$12.00``, ``.25``, ``1,500``, a Unicode minus, ``1e21``).
 
 The statement is the task's, not the agent's, and is read once per task (cached).
 """
@@ -36,6 +38,16 @@ VALUES = 200_000
 SPAN = 1 << 16
 
 _APPROX = {"approx", "pytest.approx"}
+#: A number as prose writes it: thousands separated or not, a leading dot, an exponent, a
+#: hyphen or Unicode minus before it (a part of a date or a code, ``02``, is no number).
+_PROSE_NUMBER = re.compile(
+    r"(?<![\w.])([-\u2212]?)([1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?|(?:0|[1-9]\d*)(?:\.\d+)?|\.\d+)"
+    r"([eE][-+]?\d{1,3})?(?![\w]|\.\d)"
+)
+#: Arithmetic the statement's code may show a number by, beyond what the judge reads as a
+#: literal (+, -, *): bounded, so that no statement makes the reader compute for long.
+_ARITHMETIC = (ast.Pow, ast.Div, ast.FloorDiv, ast.Mod)
+_POWER = 64
 _FENCED = re.compile(r"^[ \t]*(```|~~~)[^\n]*\n(.*?)^[ \t]*\1", re.S | re.M)
 _INLINE = re.compile(r"`([^`\n]+)`")
 _PROMPT = re.compile(r"^[ \t]*(?:>>>|\.\.\.)(?: |$)", re.M)
@@ -51,6 +63,8 @@ def published(value: Any, public: str) -> bool:
         return False
     if _in_prose(value, public):
         return True
+    if type(value) in (int, float) and value in _prose_numbers(public):
+        return True
     try:
         return any(_same(value, seen) for seen in _shown(public))
     except RecursionError:
@@ -62,15 +76,33 @@ def shown_numbers(public: str) -> list[Any]:
     (``approx``, ``assertAlmostEqual``): a shown 1331.0000000000005 meets ``approx(1331)``."""
     if not public:
         return []
-    numbers = (int, float)
-    found = [
-        v
-        for v in _shown(public)
-        if type(v) in numbers
-        or (type(v) in (list, tuple) and v and all(type(x) in numbers for x in v))
-    ]
-    found += [float(m) for m in re.findall(r"(?<![\w.])-?\d+(?:\.\d+)?(?:e-?\d+)?", public[:TEXT])]
-    return found
+    return [v for v in _shown(public) if _numeric(v, 0)] + list(_prose_numbers(public))
+
+
+def _numeric(value: Any, depth: int) -> bool:
+    """A number, or a non-empty list, tuple or dict of numeric values (what approx compares)."""
+    if type(value) in (int, float):
+        return True
+    if depth >= 4 or not value:
+        return False
+    if type(value) in (list, tuple):
+        return all(_numeric(x, depth + 1) for x in value)
+    if type(value) is dict:
+        return all(_numeric(x, depth + 1) for x in value.values())
+    return False
+
+
+@functools.lru_cache(maxsize=64)
+def _prose_numbers(public: str) -> frozenset[float]:
+    """Every number ``public`` writes as prose does (see ``_PROSE_NUMBER``)."""
+    out = set()
+    for sign, digits, exponent in _PROSE_NUMBER.findall(public[:TEXT]):
+        try:
+            number = float(digits.replace(",", "") + exponent)
+        except (ValueError, OverflowError):
+            continue
+        out.add(-number if sign else number)
+    return frozenset(out)
 
 
 def _in_prose(value: Any, public: str) -> bool:
@@ -142,8 +174,43 @@ def _walk(source: str, found: list[Any]) -> bool:
             try:
                 found.append(literal(node, frozenset(), _APPROX))
             except (_NotLiteral, RecursionError, MemoryError, OverflowError):
-                continue
+                try:
+                    found.append(_beyond_literal(node))
+                except (_NotLiteral, RecursionError, MemoryError, OverflowError):
+                    continue
     return True
+
+
+def _beyond_literal(node: ast.expr) -> Any:
+    """What the statement's code shows beyond the judge's literals: arithmetic on numbers
+    (bounded powers) and ``dict`` of keywords; ``_NotLiteral`` otherwise."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, _ARITHMETIC):
+        left, right = _number(node.left), _number(node.right)
+        if isinstance(node.op, ast.Pow):
+            if abs(right) > _POWER or abs(left) > 1 << _POWER:
+                raise _NotLiteral
+            return left**right
+        try:
+            if isinstance(node.op, ast.Div):
+                return left / right
+            return left // right if isinstance(node.op, ast.FloorDiv) else left % right
+        except ZeroDivisionError:
+            raise _NotLiteral from None
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict":
+        if node.args or any(k.arg is None for k in node.keywords):
+            raise _NotLiteral
+        return {k.arg: literal(k.value, frozenset(), _APPROX) for k in node.keywords}
+    raise _NotLiteral
+
+
+def _number(node: ast.expr) -> int | float:
+    try:
+        value = literal(node, frozenset(), _APPROX)
+    except _NotLiteral:
+        value = _beyond_literal(node)
+    if type(value) not in (int, float):
+        raise _NotLiteral
+    return value
 
 
 def _spans(text: str) -> list[str]:

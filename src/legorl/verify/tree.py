@@ -182,7 +182,8 @@ async def probe(sandbox: Sandbox, mode: str, python: str = "python3", **req: Any
         out = json.loads(run.output.strip().splitlines()[-1])
     except (ValueError, IndexError):
         try:
-            out = json.loads(await sandbox.read_file(f"{name}.out", limit=PROBE_LIMIT))
+            text = await sandbox.read_file(f"{name}.out", limit=PROBE_LIMIT)
+            out = await asyncio.to_thread(json.loads, text)  # up to 64 MiB: off the loop
         except (OSError, SandboxError, ValueError):
             why = run.output[-300:]
             raise SandboxError(f"grading: the tree probe ({mode}) failed: {why}") from None
@@ -203,6 +204,10 @@ async def probe(sandbox: Sandbox, mode: str, python: str = "python3", **req: Any
 #: What a runner configuration may be for the judge to parse it (`_pytest_sections`).
 CONFIG_BYTES = 64 * 1024
 CONFIG_LINE = 1024
+#: The most runner-configuration text the judge parses for one tree, before and after texts
+#: together (bytes; about two seconds of the parsers' worst case). Past it a changed
+#: pyproject.toml / setup.cfg is a changed configuration, unread: a fix changes one or two.
+CONFIG_BUDGET = 256 * 1024
 
 
 def _pytest_sections(name: str, text: str | None) -> Any:
@@ -223,6 +228,19 @@ def _pytest_sections(name: str, text: str | None) -> Any:
         return {s: dict(cfg[s]) for s in cfg.sections() if s in ("tool:pytest", "pytest")}
     except (tomllib.TOMLDecodeError, configparser.Error, RecursionError, ValueError):
         return text
+
+
+def _config_changed(name: str, row: dict[str, Any], budget: list[int]) -> bool:
+    """Whether the pytest configuration of a changed pyproject.toml / setup.cfg changed, its
+    texts parsed from ``budget`` (bytes left, spent here); past it, unread, it did."""
+    before, after = row.get("before_text"), row.get("after_text")
+    if before == after:
+        return False
+    cost = len(before or "") + len(after or "")
+    if cost > budget[0]:
+        return True
+    budget[0] -= cost
+    return _pytest_sections(name, before) != _pytest_sections(name, after)
 
 
 def _module_name(rest: str) -> str | None:
@@ -273,8 +291,10 @@ def judge(
 ) -> list[tuple[str, str]]:
     """(path, reason) of each changed path that breaks a rule, decided on the real tree.
     ``runners``: the scripts the task's test command runs (``tests/runtests.py``, ``bin/test``),
-    runner configuration like conftest.py."""
+    runner configuration like conftest.py. The work is bounded by the rows, not by what they
+    hold: configuration texts are parsed up to ``CONFIG_BUDGET``."""
     tops = {r: {_module_name(p[len(r) :]) for p in base_paths if p.startswith(r)} for r in roots}
+    budget = [CONFIG_BUDGET]
     out = []
     for row in rows:
         path, before = row["path"], row["before"]
@@ -290,11 +310,7 @@ def judge(
         elif (
             path in runners
             or _runner_file(parts)
-            or (
-                name in PYTEST_SECTIONS
-                and _pytest_sections(name, row.get("before_text"))
-                != _pytest_sections(name, row.get("after_text"))
-            )
+            or (name in PYTEST_SECTIONS and _config_changed(name, row, budget))
         ):
             reason = "runner_config_touched"
         elif "__pycache__" in parts or name.endswith((".pyc", ".pyo")):
@@ -460,7 +476,8 @@ async def _judge_tree(
         base_paths=base_paths,
         runners=runners,
     )
-    bad = rules(found["changes"])
+    # off the event loop: the other trajectories' gradings go on meanwhile
+    bad = await asyncio.to_thread(rules, found["changes"])
     rows = {r["path"]: r for r in found["changes"]}
     for path in found["odd"]:
         bad.append((path, "odd_file"))
@@ -481,7 +498,7 @@ async def _judge_tree(
         diff = found["diff"]  # nothing was reverted: the survey's diff is the tree's
     else:
         diff = await real_changes(sandbox, base)
-    left = rules(diff["changes"])
+    left = await asyncio.to_thread(rules, diff["changes"])
     if left or diff["odd"]:
         raise SandboxError(f"grading: reverting left rule-breaking paths: {left[:3]}")
     if diff.get("too_large"):
