@@ -181,6 +181,8 @@ def test_the_strict_reader_refuses_what_git_and_we_could_read_differently() -> N
         ),
         (good.replace("--- /dev/null", "--- /etc/passwd"), "malformed_patch", 3),
         (good.replace("\n", "\r\n"), "malformed_patch", 1),
+        # round 13: a count of 5,000 digits made int() raise past the reader's PatchError
+        (good.replace("+1,1 @@", "+1," + "9" * 5000 + " @@"), "malformed_patch", 5),
     ]:
         with pytest.raises(PatchError) as err:
             parse_strict(text)

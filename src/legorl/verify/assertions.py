@@ -559,10 +559,11 @@ def _event_failure(
     pin_in: bool = True,
 ) -> Judgement | bool:
     """One event judged against its site and the gold record: the failure, or whether it was
-    judged out of process (True) or in process (False). A computed operand of an equality, and
-    the computed container of a membership, must equal the gold run's (where its two runs
-    agree): a superset meets ``member in container`` without the member's being known (round
-    9: the input with one character stripped contained the sentence a test looked for)."""
+    judged out of process (True) or in process (False). A computed operand of an equality, the
+    computed container of a membership and a raised message checked for a text must equal the
+    gold run's (where its two runs agree): a superset meets ``member in container`` without the
+    member's being known (round 9: the input with one character stripped contained the sentence
+    a test looked for; round 13: a message joining the format at every count)."""
     expected = gold.sequence(key)
     site = plan.sites.get(event.site)
     if site is None:
@@ -616,6 +617,11 @@ def _event_failure(
             if pinned is not _MISSING and not (type(value) is type(pinned) and value == pinned):
                 return Judgement("failed", detail=f"{site.id}: differs from the gold run's value")
         values.append(value)
+    if expected is not None and pin_in and site.op == "raises" and "message" in site.extra:
+        pinned = gold.value(key, index, 1)
+        said = event.values[1] if len(event.values) > 1 else _MISSING
+        if pinned is not _MISSING and not (type(said) is type(pinned) and said == pinned):
+            return Judgement("failed", detail=f"{site.id}: the message differs from the gold run's")
     if not holds(site, values, event):
         return Judgement("failed", detail=f"{site.id}: {site.op} does not hold")
     return site.counted
@@ -724,7 +730,7 @@ def secret_bearing(key: str, index: int, plan: Plan, gold: Gold, public: str = "
         ):
             continue
         if is_held and _unknown(value, without_fix(operand), public):
-            return not _near_shown(site, value, public)
+            return not _near_known(site, value, public)
         handle = gold.handle(key, index, operand)
         if (
             not is_held
@@ -732,7 +738,7 @@ def secret_bearing(key: str, index: int, plan: Plan, gold: Gold, public: str = "
             and handle in plan.held
             and _unknown(plan.held[handle], without_fix(operand), public)
         ):
-            return not _near_shown(site, plan.held[handle], public)
+            return not _near_known(site, plan.held[handle], public)
     return False
 
 
@@ -748,14 +754,20 @@ def _every_member_unknown(container: Any, public: str) -> bool:
     return False
 
 
-def _near_shown(site: Site, held: Any, public: str) -> bool:
-    """Whether a number the statement shows meets a closeness check against ``held`` (round
-    10: the statement showed 1331.0000000000005 and the test checked ``approx(1331)``)."""
+#: The numbers a guess gives (``guessable``), tried against a closeness's tolerance.
+_GUESSES = (0, 1, -1)
+
+
+def _near_known(site: Site, held: Any, public: str) -> bool:
+    """Whether a number the statement shows, or a guess, meets a closeness check against
+    ``held`` (round 10: the statement showed 1331.0000000000005 and the test checked
+    ``approx(1331)``; round 13: 0 meets ``approx(0.3, abs=0.5)`` and ``approx(1e-13)``)."""
     if site.op not in ("approx", "almost") or len(site.held) != 2:
         return False
     # As ``holds`` compares them: the computed side first, whichever side the held one is.
     probe = Event(site.id, [], [], [])
-    return any(holds(site, [seen, held], probe) for seen in shown_numbers(public))
+    known = [*_GUESSES, *shown_numbers(public)]
+    return any(holds(site, [seen, held], probe) for seen in known)
 
 
 def covered_tests(

@@ -16,7 +16,9 @@ import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-_HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@(?: .*)?$")
+#: (A line number or count past 12 digits is no file's: refused as a bad header, never read
+#: by ``int``, which raises past 4,300 digits.)
+_HUNK = re.compile(r"^@@ -(\d{1,12})(?:,(\d{1,12}))? \+(\d{1,12})(?:,(\d{1,12}))? @@(?: .*)?$")
 _MODE = r"(100644|100755|120000)"
 _EXTENDED = [
     re.compile(p)

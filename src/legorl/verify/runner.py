@@ -23,7 +23,8 @@ in-process audit hook, `audit.py`), ``xfail_is_failure`` (an expected failure of
 test is not a pass), ``unittest_stream`` (off: a unittest-based runner is graded from its
 printed output alone, as the official harness grades it), ``ordinary_run`` (off: a pass needs
 no ordinary run of the task's own command, `ordinary.py`), ``pinned_containers`` (off: a
-membership's computed container need not equal the gold run's).
+membership's computed container, and a raised message checked for a text, need not equal the
+gold run's).
 """
 
 from __future__ import annotations

@@ -134,6 +134,21 @@ def test_rectangle_area_non_square():
 def test_rectangle_area_non_square():
     assert "24" in str(rectangle_area(4, 6))
 """,
+    # a raised message checked for a held text, which a message holding every text meets
+    # without knowing it (round 13)
+    "message": """import pytest
+
+from geometry import rectangle_area
+
+
+def report(area):
+    raise ValueError(f"area {area}")
+
+
+def test_rectangle_area_non_square():
+    with pytest.raises(ValueError, match="area 24"):
+        report(rectangle_area(4, 6))
+""",
     # the only assertion the fix must change is an open inequality: a guess meets it
     "guess": """from geometry import rectangle_area
 
@@ -323,6 +338,16 @@ ROUNDS += [
         _semantic("", lambda old: 'return int("1" + "".join(f"{i:02d}" for i in range(100)))'),
         frozenset({"pinned_containers"}),
         variant="superset",
+    ),
+    _h(
+        "the fixed function returns a text holding every answer, so the raised message the "
+        "test checks for a held text holds it unknown (round 13)",
+        "a raised message checked for a text must equal the gold run's, as a membership's "
+        "computed container must",
+        None,
+        _semantic("", lambda old: 'return "; area ".join(str(i) for i in range(100))'),
+        frozenset({"pinned_containers"}),
+        variant="message",
     ),
 ]
 
