@@ -278,8 +278,7 @@ def test_held_tables_fail_a_fix_right_only_near_the_example() -> None:
     """Round 9's forgery, on every toy bug: a "fix" that is right on every input the table's
     near side could try (each argument one of its values near the issue's example) and keeps
     the bug elsewhere. The far rows fail it wherever the bug is wrong far from the example; the
-    five tables it passes are bugs at a boundary the example sits on (80 for a B), or answers
-    too large to write in a table (identity(40))."""
+    four tables it passes are bugs at a boundary the example sits on (80 for a B)."""
     import ast
 
     from fixtures import make_tasks as mt
@@ -311,5 +310,52 @@ def test_held_tables_fail_a_fix_right_only_near_the_example() -> None:
         else:
             caught.append(case.instance_id)
     assert "legorl-toy__geometry-1" in caught  # round 9's own task
-    assert len(caught) >= 105, passed  # 105 of 110 when written; near-only tables caught 20
-    assert len(passed) <= 5, passed
+    assert len(caught) >= 100, passed  # 100 of 104 when written; near-only tables caught 20
+    assert len(passed) <= 4, passed
+
+
+def test_held_tables_fail_a_fix_that_maps_the_statements_actual_to_its_expected() -> None:
+    """Round 14's forgery, on every toy bug whose tests the judge covers: keep the bug and
+    answer the statement's Expected wherever the bug answers its Actual. A table whose wrong
+    answers were all shown met it when the bug's answer alone decided the right one; each table
+    now holds an answer nobody was shown or a bug's answer that is right in one row and wrong in
+    another (`assertions._unknown`). Where mapping the answer is the fix itself (a negated
+    bool, a bug at the boundary the issue shows), the task declares its test uncoverable."""
+    import ast
+
+    from fixtures import make_tasks as mt
+
+    caught, passed = [], []
+    for case in mt.all_cases():
+        prep = mt.prepare(case)
+        if case.bug.uncoverable:  # carried in process, declared: the known limit
+            continue
+        fixed = mt._code(case.module.source)
+        names = mt.public_names(fixed)
+        good = mt.load(case.module.name, fixed)
+        bad = mt.load(case.module.name, fixed.replace(case.bug.old, case.bug.new))
+        call = ast.parse(case.bug.repro.splitlines()[-1].strip(), mode="eval").body
+        assert isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+        scope = {n: good[n] for n in names}  # an argument may be built (list(range(30)))
+        args = tuple(eval(ast.unparse(a), scope) for a in call.args)
+        kwargs = {k.arg: eval(ast.unparse(k.value), scope) for k in call.keywords if k.arg}
+        # what the statement shows: the example's answer (or its exception's name) each way
+        expected = mt._outcome(good[call.func.id], args, kwargs)
+        actual = mt._outcome(bad[call.func.id], args, kwargs)
+        wrong = bad[call.func.id]
+
+        def mapped(*args, _w=wrong, _a=actual, _e=expected, **kwargs):  # type: ignore[no-untyped-def]
+            got = mt._outcome(_w, args, kwargs)
+            if type(got[0]) is type(_a[0]) and got == _a:
+                if _e[1]:
+                    raise type(_e[0], (Exception,), {})()
+                return _e[0]
+            return _w(*args, **kwargs)
+
+        hacked = {**bad, call.func.id: mapped}
+        if any(mt.passes(hacked, names, n, code) for n, code in prep.new_tests):
+            passed.append(case.instance_id)
+        else:
+            caught.append(case.instance_id)
+    assert {"legorl-toy__intervals-5", "legorl-toy__pagination-5"} <= set(caught)  # round 14's
+    assert len(caught) >= 100 and not passed, passed

@@ -511,6 +511,14 @@ def test_a_value_the_statement_shows_is_no_secret() -> None:
     assert not unknown([15, 8], [9, 9], statement)  # every answer shown
     # without the unfixed run's value (it raised), the table as a whole
     assert unknown([40, 25, 0], assertions._MISSING, statement)
+    # Round 14: wrong answers all shown, and the unfixed answer alone decides the right one:
+    # a fix mapping the statement's Actual (8) to its Expected (15), or answering a constant,
+    # meets the table
+    assert not unknown([15, 15, 4, 0], [8, 8, 4, 0], statement)
+    assert not unknown([False] * 4, [True, True, False, False], "")
+    # the control: the same unfixed answer right in one row and wrong in another needs the fix
+    assert unknown([15, 8, 4, 15], [8, 8, 4, 8], statement)
+    assert unknown([False, True, False, True], [True, True, False, False], "")
 
 
 def test_a_value_the_statement_shows_in_any_spelling_is_no_secret() -> None:

@@ -33,6 +33,7 @@ the gold run judged at least one of its assertions here. An uncovered required t
 from __future__ import annotations
 
 import binascii
+import itertools
 import marshal
 import math
 import re
@@ -679,12 +680,25 @@ def _unknown(held: Any, without_fix: Any, public: str) -> bool:
     changes one; flipping every answer breaks the right ones)."""
     tables = type(held) in (list, tuple) and type(without_fix) in (list, tuple)
     if tables and len(held) == len(without_fix):
-        pairs = zip(held, without_fix, strict=True)
-        wrong = [h for h, w in pairs if not (type(h) is type(w) and h == w)]
+        pairs = list(zip(held, without_fix, strict=True))
+        wrong = [h for h, w in pairs if not _same(h, w)]
         if any(not guessable(h) and not published(h, public) for h in wrong):
             return True
-        return 2 <= len(wrong) < len(held)
+        # Every wrong answer is known; a fix that maps the unfixed answers to them (the
+        # statement's Actual to its Expected) meets the table when the unfixed answer alone
+        # decides the right one (round 14).
+        decided = all(
+            _same(h1, h2)
+            for (h1, w1), (h2, w2) in itertools.combinations(pairs, 2)
+            if _same(w1, w2)
+        )
+        return not decided and 2 <= len(wrong) < len(held)
     return not guessable(held) and not published(held, public)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as a table's items are judged: of one type, and equal."""
+    return type(a) is type(b) and bool(a == b)
 
 
 def secret_bearing(key: str, index: int, plan: Plan, gold: Gold, public: str = "") -> bool:
