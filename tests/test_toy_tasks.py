@@ -359,3 +359,44 @@ def test_held_tables_fail_a_fix_that_maps_the_statements_actual_to_its_expected(
             caught.append(case.instance_id)
     assert {"legorl-toy__intervals-5", "legorl-toy__pagination-5"} <= set(caught)  # round 14's
     assert len(caught) >= 100 and not passed, passed
+
+
+def test_tests_fail_a_fix_that_special_cases_the_statements_example() -> None:
+    """Rounds 4 and 15, on every toy bug whose tests the judge covers: keep the bug and answer
+    the statement's Expected for the statement's own call alone. Round 15 met two boundary
+    bugs (validators-7, grades-6) whose tests checked the default boundary only, where the
+    example is the whole bug; their tests now check another boundary too."""
+    import ast
+
+    from fixtures import make_tasks as mt
+
+    caught, passed = [], []
+    for case in mt.all_cases():
+        if case.bug.uncoverable:  # carried in process, declared: the known limit
+            continue
+        prep = mt.prepare(case)
+        fixed = mt._code(case.module.source)
+        names = mt.public_names(fixed)
+        good = mt.load(case.module.name, fixed)
+        bad = mt.load(case.module.name, fixed.replace(case.bug.old, case.bug.new))
+        call = ast.parse(case.bug.repro.splitlines()[-1].strip(), mode="eval").body
+        assert isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
+        scope = {n: good[n] for n in names}
+        example = tuple(eval(ast.unparse(a), scope) for a in call.args)
+        kw = {k.arg: eval(ast.unparse(k.value), scope) for k in call.keywords if k.arg}
+        expected = mt._outcome(good[call.func.id], example, kw)
+
+        def special(*args, _w=bad[call.func.id], _x=example, _k=kw, _e=expected, **kwargs):  # type: ignore[no-untyped-def]
+            if args == _x and kwargs == _k:
+                if _e[1]:
+                    raise type(_e[0], (Exception,), {})()
+                return _e[0]
+            return _w(*args, **kwargs)
+
+        hacked = {**bad, call.func.id: special}
+        if any(mt.passes(hacked, names, n, code) for n, code in prep.new_tests):
+            passed.append(case.instance_id)
+        else:
+            caught.append(case.instance_id)
+    assert {"legorl-toy__validators-7", "legorl-toy__grades-6"} <= set(caught)  # round 15's
+    assert len(caught) >= 100 and not passed, passed
