@@ -21,6 +21,7 @@ import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -314,22 +315,20 @@ def test_held_tables_fail_a_fix_right_only_near_the_example() -> None:
     assert len(passed) <= 4, passed
 
 
-def test_held_tables_fail_a_fix_that_maps_the_statements_actual_to_its_expected() -> None:
-    """Round 14's forgery, on every toy bug whose tests the judge covers: keep the bug and
-    answer the statement's Expected wherever the bug answers its Actual. A table whose wrong
-    answers were all shown met it when the bug's answer alone decided the right one; each table
-    now holds an answer nobody was shown or a bug's answer that is right in one row and wrong in
-    another (`assertions._unknown`). Where mapping the answer is the fix itself (a negated
-    bool, a bug at the boundary the issue shows), the task declares its test uncoverable."""
+def _forged(hack: Any) -> tuple[list[str], list[str]]:
+    """(caught, passed): the toy tasks whose tests the judge covers, by whether their new tests
+    fail a "fix" that ``hack(wrong, example, kwargs, expected, actual)`` makes of the buggy
+    function (``expected`` and ``actual``: the statement's, as (answer or exception name,
+    raised)). Declared-uncoverable tasks are the known limit, left out."""
     import ast
 
     from fixtures import make_tasks as mt
 
     caught, passed = [], []
     for case in mt.all_cases():
-        prep = mt.prepare(case)
-        if case.bug.uncoverable:  # carried in process, declared: the known limit
+        if case.bug.uncoverable:
             continue
+        prep = mt.prepare(case)
         fixed = mt._code(case.module.source)
         names = mt.public_names(fixed)
         good = mt.load(case.module.name, fixed)
@@ -337,26 +336,45 @@ def test_held_tables_fail_a_fix_that_maps_the_statements_actual_to_its_expected(
         call = ast.parse(case.bug.repro.splitlines()[-1].strip(), mode="eval").body
         assert isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
         scope = {n: good[n] for n in names}  # an argument may be built (list(range(30)))
-        args = tuple(eval(ast.unparse(a), scope) for a in call.args)
-        kwargs = {k.arg: eval(ast.unparse(k.value), scope) for k in call.keywords if k.arg}
-        # what the statement shows: the example's answer (or its exception's name) each way
-        expected = mt._outcome(good[call.func.id], args, kwargs)
-        actual = mt._outcome(bad[call.func.id], args, kwargs)
-        wrong = bad[call.func.id]
-
-        def mapped(*args, _w=wrong, _a=actual, _e=expected, **kwargs):  # type: ignore[no-untyped-def]
-            got = mt._outcome(_w, args, kwargs)
-            if type(got[0]) is type(_a[0]) and got == _a:
-                if _e[1]:
-                    raise type(_e[0], (Exception,), {})()
-                return _e[0]
-            return _w(*args, **kwargs)
-
-        hacked = {**bad, call.func.id: mapped}
+        example = tuple(eval(ast.unparse(a), scope) for a in call.args)
+        kw = {k.arg: eval(ast.unparse(k.value), scope) for k in call.keywords if k.arg}
+        expected = mt._outcome(good[call.func.id], example, kw)
+        actual = mt._outcome(bad[call.func.id], example, kw)
+        forged = hack(bad[call.func.id], example, kw, expected, actual)
+        hacked = {**bad, call.func.id: forged}
         if any(mt.passes(hacked, names, n, code) for n, code in prep.new_tests):
             passed.append(case.instance_id)
         else:
             caught.append(case.instance_id)
+    return caught, passed
+
+
+def _answer(outcome: tuple[Any, bool]) -> Any:
+    """The statement's answer as the function gives it: returned, or raised by its name."""
+    if outcome[1]:
+        raise type(outcome[0], (Exception,), {})()
+    return outcome[0]
+
+
+def test_held_tables_fail_a_fix_that_maps_the_statements_actual_to_its_expected() -> None:
+    """Round 14's forgery, on every toy bug whose tests the judge covers: keep the bug and
+    answer the statement's Expected wherever the bug answers its Actual. A table whose wrong
+    answers were all shown met it when the bug's answer alone decided the right one; each table
+    now holds an answer nobody was shown or a bug's answer that is right in one row and wrong in
+    another (`assertions._unknown`). Where mapping the answer is the fix itself (a negated
+    bool, a bug at the boundary the issue shows), the task declares its test uncoverable."""
+    from fixtures import make_tasks as mt
+
+    def hack(wrong: Any, _x: Any, _k: Any, expected: Any, actual: Any) -> Any:
+        def mapped(*args: Any, **kwargs: Any) -> Any:
+            got = mt._outcome(wrong, args, kwargs)
+            if type(got[0]) is type(actual[0]) and got == actual:
+                return _answer(expected)
+            return wrong(*args, **kwargs)
+
+        return mapped
+
+    caught, passed = _forged(hack)
     assert {"legorl-toy__intervals-5", "legorl-toy__pagination-5"} <= set(caught)  # round 14's
     assert len(caught) >= 100 and not passed, passed
 
@@ -366,37 +384,15 @@ def test_tests_fail_a_fix_that_special_cases_the_statements_example() -> None:
     the statement's Expected for the statement's own call alone. Round 15 met two boundary
     bugs (validators-7, grades-6) whose tests checked the default boundary only, where the
     example is the whole bug; their tests now check another boundary too."""
-    import ast
 
-    from fixtures import make_tasks as mt
+    def hack(wrong: Any, example: Any, kw: Any, expected: Any, _a: Any) -> Any:
+        def special(*args: Any, **kwargs: Any) -> Any:
+            if args == example and kwargs == kw:
+                return _answer(expected)
+            return wrong(*args, **kwargs)
 
-    caught, passed = [], []
-    for case in mt.all_cases():
-        if case.bug.uncoverable:  # carried in process, declared: the known limit
-            continue
-        prep = mt.prepare(case)
-        fixed = mt._code(case.module.source)
-        names = mt.public_names(fixed)
-        good = mt.load(case.module.name, fixed)
-        bad = mt.load(case.module.name, fixed.replace(case.bug.old, case.bug.new))
-        call = ast.parse(case.bug.repro.splitlines()[-1].strip(), mode="eval").body
-        assert isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
-        scope = {n: good[n] for n in names}
-        example = tuple(eval(ast.unparse(a), scope) for a in call.args)
-        kw = {k.arg: eval(ast.unparse(k.value), scope) for k in call.keywords if k.arg}
-        expected = mt._outcome(good[call.func.id], example, kw)
+        return special
 
-        def special(*args, _w=bad[call.func.id], _x=example, _k=kw, _e=expected, **kwargs):  # type: ignore[no-untyped-def]
-            if args == _x and kwargs == _k:
-                if _e[1]:
-                    raise type(_e[0], (Exception,), {})()
-                return _e[0]
-            return _w(*args, **kwargs)
-
-        hacked = {**bad, call.func.id: special}
-        if any(mt.passes(hacked, names, n, code) for n, code in prep.new_tests):
-            passed.append(case.instance_id)
-        else:
-            caught.append(case.instance_id)
+    caught, passed = _forged(hack)
     assert {"legorl-toy__validators-7", "legorl-toy__grades-6"} <= set(caught)  # round 15's
     assert len(caught) >= 100 and not passed, passed
