@@ -615,13 +615,13 @@ def _event_failure(
             )
         if expected is not None and (site.op in _EQ or (site.op == "in" and i == 1 and pin_in)):
             pinned = gold.value(key, index, i)
-            if pinned is not _MISSING and not (type(value) is type(pinned) and value == pinned):
+            if pinned is not _MISSING and not _same(value, pinned):
                 return Judgement("failed", detail=f"{site.id}: differs from the gold run's value")
         values.append(value)
     if expected is not None and pin_in and site.op == "raises" and "message" in site.extra:
         pinned = gold.value(key, index, 1)
         said = event.values[1] if len(event.values) > 1 else _MISSING
-        if pinned is not _MISSING and not (type(said) is type(pinned) and said == pinned):
+        if pinned is not _MISSING and not _same(said, pinned):
             return Judgement("failed", detail=f"{site.id}: the message differs from the gold run's")
     if not holds(site, values, event):
         return Judgement("failed", detail=f"{site.id}: {site.op} does not hold")
@@ -697,7 +697,7 @@ def _unknown(held: Any, without_fix: Any, public: str) -> bool:
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Equal as a table's items are judged: of one type, and equal."""
+    """Equal as the judge compares plain data: of one type, and equal."""
     return type(a) is type(b) and bool(a == b)
 
 
