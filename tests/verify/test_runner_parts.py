@@ -99,11 +99,13 @@ def _boot(repo: Path, *args: str, **options: object) -> subprocess.CompletedProc
     )
 
 
-def _judged_run(repo: Path, plan: rewrite.Plan | None) -> tuple[list[dict], dict[str, str]]:
+def _judged_run(
+    repo: Path, plan: rewrite.Plan | None, onward: bool = False
+) -> tuple[list[dict], dict[str, str]]:
     if plan is not None:
         for path, text in plan.files.items():
             (repo / path).write_text(text)
-    proc = _boot(repo, "-q", "-p", "no:cacheprovider", "--rootdir", ".", "tests")
+    proc = _boot(repo, "-q", "-p", "no:cacheprovider", "--rootdir", ".", "tests", onward=onward)
     found, _ = records(proc.stdout, KEY.encode())
     outcomes = PytestReportParser().parse(proc.stdout, KEY.encode()).outcomes
     return found, outcomes
@@ -121,7 +123,7 @@ def _gold(
     for _ in range(2):
         found, _ = _judged_run(_repo(tmp / "gold", gold, tests), plan)
         runs.append(assertions.by_test(found))
-    empty, _ = _judged_run(_repo(tmp / "base", base, tests), plan)
+    empty, _ = _judged_run(_repo(tmp / "base", base, tests), plan, onward=True)
     return required, plan, assertions.Gold(runs=runs, empty=assertions.by_test(empty))
 
 
@@ -175,6 +177,54 @@ def test_a_failing_test_is_covered_only_by_an_assertion_the_fix_changes_judged_o
     assert [assertions.guessable(v) for v in (True, None, 0, -1, "", [False, True], 15, "B")] == [
         True, True, True, True, True, True, False, False,
     ]  # fmt: skip
+
+
+def test_the_empty_runs_tests_go_on_past_an_assertion_that_raised(tmp_path: Path) -> None:
+    # Round 14: the unfixed code raised at a test's first assertion, so the judge never saw
+    # what it answers at the next one and counted that one's expected value whole; the bug
+    # got it right, and a fix special-casing the statement's example (15) met the test. The
+    # gold record's run of the empty patch now goes on past a failed assertion of the test's
+    # own body; one inside a ``with`` or ``try``, whose exception the test may expect, stops
+    # the test as before, as does every assertion of every other run.
+    tests = """
+    import pytest
+    from lib import area
+
+
+    def test_area():
+        x = area(3, 5)
+        assert [x][x - 15] == 15
+        assert area(2, 2) == 4
+        for w in (1, 2):
+            assert [x][x - 15] == 15
+        assert area(2, 7) == 14
+
+
+    def test_area_held_local():
+        x = area(3, 5)
+        with pytest.raises(IndexError):
+            assert [x][x - 100] == 8
+        assert area(2, 2) == 4
+    """
+    _, plan, gold = _gold(tmp_path, tests)
+    area_key = plan.keys[f"{TESTS}::test_area"]
+    assert gold.empty is not None
+    unfixed = gold.empty[area_key]
+    assert [e.ok for e in unfixed.events] == [False, None, False, False, None]
+    assert unfixed.events[1].values[0] == 4 and unfixed.events[4].values[0] == 9
+    # the answer the bug gets right is not decisive; 14, which it gets wrong, carries the test
+    assert assertions.decisive(area_key, plan, gold) == [0, 2, 3, 4]
+    assert assertions.secret_bearing(area_key, 4, plan, gold, "area(3, 5) gives 8, not 15")
+    assert not assertions.secret_bearing(area_key, 0, plan, gold, "area(3, 5) gives 8, not 15")
+    # inside ``pytest.raises`` the test stops where it raised, as written
+    local_key = plan.keys[f"{TESTS}::test_area_held_local"]
+    local = gold.empty[local_key].events
+    assert [e.site for e in local] == [e.site for e in gold.runs[-1][local_key].events]
+    assert len(local) == 2 and local[0].types[0] is not None  # the block raised IndexError
+    # every other run stops the test at the assertion that raised
+    found, outcomes = _judged_run(_repo(tmp_path / "other", BASE, tests), plan)
+    assert len(assertions.by_test(found)[area_key].events) == 0
+    assert outcomes[f"{TESTS}::test_area"] == "failed"
 
 
 def test_identity_with_a_held_literal_is_its_exact_value(tmp_path: Path) -> None:
@@ -519,6 +569,29 @@ def test_a_value_the_statement_shows_is_no_secret() -> None:
     # the control: the same unfixed answer right in one row and wrong in another needs the fix
     assert unknown([15, 8, 4, 15], [8, 8, 4, 8], statement)
     assert unknown([False, True, False, True], [True, True, False, False], "")
+
+
+def test_a_filter_answered_with_other_items_counts_only_its_wrong_items() -> None:
+    # Round 15: ``[a for a in range(15, 21) if is_adult(a)] == [18, 19, 20]``; the unfixed run
+    # answered ``[19, 20]``, so the same-length table rule did not apply and the whole list
+    # counted as a secret, though the one item the bug gets wrong (18) is the statement's
+    # example. Of lists of other lengths, and of sets, the items in one and not the other are
+    # the wrong answers.
+    unknown = assertions._unknown
+    statement = "is_adult(18) returns False\n\nExpected: `True`"
+    assert not unknown([18, 19, 20], [19, 20], statement)
+    assert unknown([18, 19, 20], [19, 20], "")  # nobody was shown 18
+    assert unknown([18, 19, 20, 21], [19, 20], statement)  # 21 was never shown
+    assert not unknown([19, 20], [17, 19, 20], "is_adult(17) returns True")  # an extra, shown
+    assert unknown([19, 20], [16, 19, 20], "is_adult(17) returns True")
+    assert not unknown({18, 19, 20}, {19, 20, 21}, "18 and 21 are wrong")
+    assert unknown({18, 19, 20}, {19, 20, 22}, "18 and 21 are wrong")
+    assert not unknown([0, 1, 18], [1], statement)  # guesses and the example
+    assert not unknown([[18], [19]], [[19]], "it drops `[18]`")  # unhashable items
+    assert unknown([[18], [19]], [[19], [20]], "it drops `[18]`")
+    assert unknown([18, 19], assertions._MISSING, statement)  # no unfixed answer: the whole
+    # a long table's difference is counted by hash
+    assert not unknown(list(range(20_000)), list(range(1, 20_000)), "is_adult(0)")
 
 
 def test_a_value_the_statement_shows_in_any_spelling_is_no_secret() -> None:

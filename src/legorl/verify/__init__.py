@@ -102,6 +102,7 @@ async def _judged_run(
     config: VerifyConfig,
     runner_paths: frozenset[str],
     plan_for: Callable[[dict[str, str]], rewrite.Plan | None],
+    onward: bool = False,
 ) -> _Run:
     """One verdict-bearing run in a fresh grading sandbox: ``patch`` applied and judged as a
     tree, the test_patch applied, the pristine test files read, the tests rewritten by
@@ -137,6 +138,7 @@ async def _judged_run(
             timeout=config.test_timeout,
             off=config.defences_off,
             plan=out.plan,
+            onward=onward,
         )
     except SandboxError as exc:
         out.error = f"grading sandbox failed: {exc}"
@@ -215,6 +217,7 @@ async def gold_record(
             config=config,
             runner_paths=runner_paths,
             plan_for=plan_for,
+            onward=empty,
         )
         if run.error or run.judged is None or run.judged.method is None or run.test_run is None:
             why = run.error or (run.judged.error if run.judged else "") or "no test run"

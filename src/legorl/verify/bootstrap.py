@@ -11,7 +11,8 @@ source}, "options": {...}}``) and runs this module's ``main`` with them. Options
 ``integrity`` (the runner's guard), ``audit`` (the hook of `audit.py`), ``xfail_passes`` (an
 expected failure counts as passed: a control only), ``watch`` (the test ids whose outcomes are
 recorded one by one; the others are only counted), ``log`` (where the run's own stdout and
-stderr go), ``judge`` (install the operand sender of `operands.py` as ``__legorl__``).
+stderr go), ``judge`` (install the operand sender of `operands.py` as ``__legorl__``),
+``onward`` (the empty patch's run of a gold record: a failed assertion does not stop its test).
 
 ``-I`` keeps the working and script directories off ``sys.path`` and ignores ``PYTHON*``. The
 record stream goes to a duplicate of the original stdout, signed and chained
@@ -128,7 +129,7 @@ def main(key, bundle):
         os.dup2(null, 2)
         os.close(null)
     if options.get("judge", True):
-        _load(bundle, "operands.py").install(emit)
+        _load(bundle, "operands.py").install(emit, onward=options.get("onward", False))
     repo = os.getcwd()
     watch = frozenset(options["watch"]) if options.get("watch") is not None else None
     if mode == "unittest":

@@ -34,7 +34,7 @@ from legorl.verify.ordinary import OrdinaryRun
 
 HERE = Path(__file__).resolve().parent
 #: The grading switches (`runner.DEFENCES`) that change what the gold record's runs are.
-PLAN_SWITCHES = frozenset({"held_tables"})
+PLAN_SWITCHES = frozenset({"held_tables", "onward"})
 _GRADER_FILES = (
     "assertions.py",
     "rewrite.py",

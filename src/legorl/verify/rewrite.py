@@ -432,6 +432,7 @@ class _Rewriter(ast.NodeTransformer):
             doc = []
             if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
                 doc = [body.pop(0)]
+            body = _onward(body)
             guard = ast.With(
                 items=[ast.withitem(context_expr=_call("test", *owner))], body=body or [ast.Pass()]
             )
@@ -597,6 +598,48 @@ class _Rewriter(ast.NodeTransformer):
             self.sites[sid] = Site(sid, "raises", [(False, None)], types=names, extra=extra)
             item.context_expr = _call("raises", ast.Constant(sid), cm)
         return node
+
+
+#: The calls a site's statement makes (`operands.py`).
+_SITE_CALLS = frozenset({"check", "adapt", "inproc", "inproc_assert"})
+
+
+def _onward(body: list[ast.stmt]) -> list[ast.stmt]:
+    """A test's own site statements, each made
+    ``try: SITE except Exception: if not __legorl__.onward(SID): raise``: in the empty patch's
+    run of a gold record the test goes on past an assertion whose operands raised
+    (`operands.onward`), so the judge learns what the unfixed code answers after it. Only
+    statements of the body and of its ``if``, ``for`` and ``while`` blocks: one inside a
+    ``with`` or ``try`` (whose exception the test may expect) or a nested function stays as
+    written."""
+    out: list[ast.stmt] = []
+    for stmt in body:
+        if isinstance(stmt, (ast.If, ast.For, ast.AsyncFor, ast.While)):
+            stmt.body = _onward(stmt.body)
+            stmt.orelse = _onward(stmt.orelse)
+        elif (
+            isinstance(stmt, ast.Expr)
+            and isinstance(stmt.value, ast.Call)
+            and isinstance(stmt.value.func, ast.Attribute)
+            and isinstance(stmt.value.func.value, ast.Name)
+            and stmt.value.func.value.id == "__legorl__"
+            and stmt.value.func.attr in _SITE_CALLS
+            and stmt.value.args
+            and isinstance(stmt.value.args[0], ast.Constant)
+        ):
+            go_on = ast.If(
+                test=ast.UnaryOp(
+                    op=ast.Not(), operand=_call("onward", ast.Constant(stmt.value.args[0].value))
+                ),
+                body=[ast.Raise()],
+                orelse=[],
+            )
+            handler = ast.ExceptHandler(
+                type=ast.Name(id="Exception", ctx=ast.Load()), name=None, body=[go_on]
+            )
+            stmt = ast.Try(body=[stmt], handlers=[handler], orelse=[], finalbody=[])
+        out.append(stmt)
+    return out
 
 
 def _is_generator(node: ast.AST) -> bool:

@@ -24,7 +24,8 @@ test is not a pass), ``unittest_stream`` (off: a unittest-based runner is graded
 printed output alone, as the official harness grades it), ``ordinary_run`` (off: a pass needs
 no ordinary run of the task's own command, `ordinary.py`), ``pinned_containers`` (off: a
 membership's computed container, and a raised message checked for a text, need not equal the
-gold run's).
+gold run's), ``onward`` (off: the gold record's run of the empty patch stops a test at its first
+failed assertion, and the judge counts every later one as a secret whole).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ DEFENCES = frozenset(
         "unittest_stream",
         "ordinary_run",
         "pinned_containers",
+        "onward",
     }
 )
 _EXTRA = ["-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", "."]
@@ -181,10 +183,12 @@ async def run_tests(
     timeout: float,
     off: frozenset[str],
     plan: rewrite.Plan | None,
+    onward: bool = False,
 ) -> TestRun:
     """Run the task's tests once, as the judged user; the outcomes as the signed stream says
     (or, for a runner that only prints, as the official parser reads its output), and the
-    assertion events."""
+    assertion events. ``onward``: the empty patch's run of a gold record, whose required tests
+    go on past a failed assertion (`operands.onward`)."""
     grader = resolve(task)
     if grader.kind == "unittest" and "unittest_stream" in off:
         grader = replace(grader, kind="output")
@@ -202,6 +206,7 @@ async def run_tests(
             "watch": required,
             "log": log,
             "judge": "judge_assertions" not in off,
+            "onward": onward and "onward" not in off,
         }
     )
     if "isolated_runner" in off and grader.kind == "pytest":

@@ -158,6 +158,17 @@ def test_rectangle_area_non_square():
     cases = [(3, 5), (5, 3), (2, 2), (0, 0)]
     assert [rectangle_area(*c) for c in cases] == [15, 15, 4, 0]
 """,
+    # the unfixed code raises at the first assertion (whose answer the statement shows), and
+    # the next one, which the judge then never saw answered without the fix, the bug gets
+    # right (round 14's find in pagination-5)
+    "unreached": """from geometry import rectangle_area
+
+
+def test_rectangle_area_non_square():
+    area = rectangle_area(3, 5)
+    assert [area][area - 15] == 15
+    assert rectangle_area(2, 2) == 4
+""",
     # the only assertion the fix must change is an open inequality: a guess meets it
     "guess": """from geometry import rectangle_area
 
@@ -327,6 +338,16 @@ ROUNDS += [
         _semantic("", lambda old: f"return 15 if {_args_of(old)} == (3, 5,) else {_value(old)}"),
         frozenset({"unpublished_secrets"}),
         variant="example",
+    ),
+    _h(
+        "the fixed function special-cases the statement's example where the unfixed code "
+        "raised before the test's next assertion, which the bug gets right (round 14)",
+        _SECRETS + "; the gold record's run of the empty patch goes on past a failed "
+        "assertion, so an answer the bug gets right is never a secret",
+        "unverified",
+        _semantic("", lambda old: f"return 15 if {_args_of(old)} == (3, 5,) else {_value(old)}"),
+        frozenset({"onward"}),
+        variant="unreached",
     ),
     _h(
         "the fixed function special-cases the statement's example, which the statement spells "
