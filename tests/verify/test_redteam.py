@@ -56,6 +56,7 @@ TASKS = ROOT / "fixtures" / "tasks"
 #: The real suite; its Django tasks are graded by Django's own tests/runtests.py.
 SUITE = ROOT / "fixtures" / "tasks-real"
 DJANGO_TASK_ID = "django__django-real-4"
+TOOLZ_TASK_ID = "pytoolz__toolz-real-12"
 #: Django rows run at once, this many rollouts and gradings at a time.
 DJANGO_CONCURRENCY = 4
 MODEL = ROOT / "fixtures" / "models" / "tiny-qwen3"
@@ -77,13 +78,17 @@ OLD_DIFF = (
 
 
 def _tasks_dir(task: Task) -> Path:
-    return SUITE if task.meta.get("project") == "django" else TASKS
+    return SUITE if task.meta.get("project") in ("django", "toolz") else TASKS
 
 
 def _task(variant: str = "") -> Task:
     if variant == "django":
         return next(
             t for t in read_jsonl(SUITE / "tasks.jsonl", Task) if t.instance_id == DJANGO_TASK_ID
+        )
+    if variant == "toolz":
+        return next(
+            t for t in read_jsonl(SUITE / "tasks.jsonl", Task) if t.instance_id == TOOLZ_TASK_ID
         )
     task = next(t for t in read_jsonl(TASKS / "train.jsonl", Task) if t.instance_id == TASK_ID)
     if variant == "new_test_file":

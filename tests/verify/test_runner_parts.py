@@ -9,6 +9,7 @@ outcome alone (what grading was before assertions were judged out of process) pa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import subprocess
@@ -275,6 +276,50 @@ def test_a_raised_message_is_checked_by_the_judge_not_the_tests_manager(tmp_path
     assert verdicts[key].outcome == "passed", verdicts[key]
 
 
+def test_what_a_tests_callable_did_is_pinned_not_its_helpers_verdict(tmp_path: Path) -> None:
+    # Round 16: toolz's tests check errors through a helper of the library's own
+    # (``assert raises(TypeError, lambda: diff())``), a truth check whose True the patched
+    # helper gave for a call that no longer raised; the patch broke the checked behaviour and
+    # got 1.0. What the test's callable did (raised which class, or returned) goes to the
+    # judge, pinned to the gold run's; the helper's answer alone carries nothing.
+    helper = (
+        "def raises(err, fn):\n    try:\n        fn()\n        return False\n"
+        "    except err:\n        return True\n"
+    )
+    tests = """
+    from lib import area, raises
+
+
+    def test_area():
+        assert area(3, 5) == 15
+        assert raises(ValueError, lambda: area(-1, 2))
+        assert not raises(ValueError, lambda: area(1, 2))
+    """
+    gold = helper + GOLD.replace(
+        "    return", "    if w < 0:\n        raise ValueError('negative')\n    return"
+    )
+    key = f"{TESTS}::test_area"
+    verdicts, _ = _judge(tmp_path / "gold", gold, tests, gold)
+    assert verdicts[key].outcome == "passed", verdicts[key]
+    # a subclass of what the gold run raised meets it, as the helper's own except does
+    subclass = gold.replace("raise ValueError(", "raise UnicodeError(")
+    verdicts, _ = _judge(tmp_path / "sub", subclass, tests, gold)
+    assert verdicts[key].outcome == "passed", verdicts[key]
+    for name, candidate in {
+        # no check of the width, and a helper that answers True whether or not it raised
+        "always": helper.replace("return False", "return True") + GOLD,
+        # the helper never calls the test's callable
+        "uncalled": "def raises(err, fn):\n    return err is ValueError\n" + GOLD,
+        # another class raised, the helper told it is the one asked for
+        "other": helper.replace("except err:", "except Exception:")
+        + GOLD.replace("    return", "    if w < 0:\n        raise KeyError(w)\n    return"),
+    }.items():
+        verdicts, outcomes = _judge(tmp_path / name, candidate, tests, gold)
+        assert outcomes[key] == "passed", name  # the control: the in-process outcome is fooled
+        assert verdicts[key].outcome == "failed", (name, verdicts[key])
+        assert "callable" in verdicts[key].detail, (name, verdicts[key])
+
+
 def test_literals_leave_the_test_file_and_the_judge_holds_them() -> None:
     plan = rewrite.plan_files(
         REQUIRED, {TESTS: textwrap.dedent(LIB_TESTS)}, django=False, pytest=True, inproc=set()
@@ -363,6 +408,36 @@ def test_plain_data_is_rebuilt_from_the_base_types_own_data() -> None:
         pass
     else:
         raise AssertionError("an object is not plain data")
+
+
+def test_class_names_are_types_own_not_a_metaclasss() -> None:
+    # Round 16 (from the code): a metaclass's ``__mro__`` or ``__module__`` property made a
+    # RuntimeError's class names, which isinstance checks and raised classes are judged by,
+    # read as a ValueError's.
+    from legorl.verify import operands
+
+    class Lying(type):
+        @property
+        def __mro__(cls):  # type: ignore[override]
+            return (cls, ValueError, BaseException, object)
+
+        __module__ = property(lambda cls: "builtins")  # type: ignore[assignment]
+
+    class Forged(RuntimeError, metaclass=Lying):
+        pass
+
+    assert ValueError in Forged.__mro__ and Forged.__module__ == "builtins"  # the lie itself
+    names = operands.mro(Forged())
+    assert names[0] == [__name__, "test_class_names_are_types_own_not_a_metaclasss.<locals>.Forged"]
+    assert ["builtins", "RuntimeError"] in names and ["builtins", "ValueError"] not in names
+    sent: list[dict] = []
+    operands._emit[0] = sent.append
+    try:
+        with operands.raises("s", contextlib.suppress(Exception)):
+            raise Forged
+    finally:
+        operands._emit[0] = None
+    assert sent[0]["v"][0]["t"] == names
 
 
 def test_unittest_and_django_names_locate_their_functions() -> None:

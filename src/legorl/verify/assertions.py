@@ -195,6 +195,9 @@ class Event:
     keys: list[str | None] = field(default_factory=list)  # per operand: a table handle's key
     ok: bool | None = None  # an in-process site's own verdict
     adaptive: bool = False  # a judge site that compared in process (an operand not plain)
+    #: a truth check's: what each callable the test handed its call did (`operands.watch`):
+    #: ("r", the raised class's names) or ("n",) for a return; None when it handed none
+    calls: list[tuple[str, ...]] | None = None
 
 
 _MISSING = object()
@@ -209,18 +212,39 @@ def _names(raw: Any) -> list[list[str]] | None:
     return [[a[:200], b[:200]] for a, b in raw]
 
 
+def _calls(raw: Any) -> list[tuple[str, ...]] | None:
+    """A ``w`` field (`operands.watch`); malformed reads as one call nobody made."""
+    if raw is None:
+        return None
+    out: list[tuple[str, ...]] = []
+    if not isinstance(raw, list) or len(raw) > 64:
+        return [("?",)]
+    for call in raw:
+        if call == ["n"]:
+            out.append(("n",))
+            continue
+        names = _names(call[1]) if isinstance(call, list) and len(call) == 2 else None
+        if names is None or call[0] != "r":
+            return [("?",)]
+        out.append(("r", *(f"{m}.{q}" for m, q in names)))
+    return out
+
+
 def decode(record: dict[str, Any], budget: Budget | None = None) -> Event | None:
     """An ``a`` record from the stream, or None when it is malformed; an operand past what is
     left of ``budget`` reads as not plain."""
     site = record.get("site")
     if not isinstance(site, str):
         return None
+    calls = _calls(record.get("w"))
     if "ok" in record:
-        return Event(site, [], [], [], ok=record["ok"] is True, adaptive=record.get("np") == 1)
+        return Event(
+            site, [], [], [], ok=record["ok"] is True, adaptive=record.get("np") == 1, calls=calls
+        )
     raw = record.get("v")
     if not isinstance(raw, list):
         return None
-    event = Event(site, [], [], [], types=[], idents=[], keys=[])
+    event = Event(site, [], [], [], types=[], idents=[], keys=[], calls=calls)
     for item in raw[:4]:
         if not isinstance(item, dict):
             return None
@@ -480,6 +504,16 @@ class Gold:
             found.add(events[index].keys[operand])
         return found.pop() if len(found) == 1 else None
 
+    def calls(self, key: str, index: int) -> list[tuple[str, ...]] | None:
+        """What the test's callables did at one event in the gold runs, when they agree."""
+        found = []
+        for run in self.runs:
+            events = run.get(key, TestEvents()).events
+            if index >= len(events):
+                return None
+            found.append(events[index].calls)
+        return found[0] if all(f == found[0] for f in found) else None
+
     def value(self, key: str, index: int, operand: int) -> Any:
         """The gold runs' value of one operand, when they agree and it is plain; else _MISSING."""
         found = []
@@ -515,10 +549,11 @@ def judge_test(
     *,
     own_verdicts: bool = False,
     pin_in: bool = True,
+    pin_calls: bool = True,
 ) -> Judgement:
-    """One test's events against the gold record. ``own_verdicts``, ``pin_in`` off: controls
-    only (the judged process's own verdict taken at any site; a membership's container not
-    pinned to the gold run's)."""
+    """One test's events against the gold record. ``own_verdicts``, ``pin_in``, ``pin_calls``
+    off: controls only (the judged process's own verdict taken at any site; a membership's
+    container not pinned to the gold run's; what a test's callables did not pinned)."""
     entry = run.get(key)
     if entry is None or not entry.began:
         return Judgement("missing", detail="the test's body never ran")
@@ -539,7 +574,14 @@ def judge_test(
         return Judgement("mismatch", detail="no assertion ran")
     for index, event in enumerate(entry.events):
         failed = _event_failure(
-            key, index, event, plan, gold, own_verdicts=own_verdicts, pin_in=pin_in
+            key,
+            index,
+            event,
+            plan,
+            gold,
+            own_verdicts=own_verdicts,
+            pin_in=pin_in,
+            pin_calls=pin_calls,
         )
         if isinstance(failed, Judgement):
             return failed
@@ -559,6 +601,7 @@ def _event_failure(
     *,
     own_verdicts: bool = False,
     pin_in: bool = True,
+    pin_calls: bool = True,
 ) -> Judgement | bool:
     """One event judged against its site and the gold record: the failure, or whether it was
     judged out of process (True) or in process (False). A computed operand of an equality, the
@@ -571,6 +614,11 @@ def _event_failure(
     if site is None:
         return Judgement(
             "failed", detail=f"an assertion event from an unknown site {event.site[:80]}"
+        )
+    pinned_calls = gold.calls(key, index) if expected is not None and pin_calls else None
+    if pinned_calls is not None and not _calls_match(event.calls, pinned_calls):
+        return Judgement(
+            "failed", detail=f"{site.id}: the test's callable did not do what it did for gold"
         )
     if event.ok is not None or site.mode == "inproc":
         # A verdict the judged process made itself counts only where the plan asked for one
@@ -627,6 +675,17 @@ def _event_failure(
     if not holds(site, values, event):
         return Judgement("failed", detail=f"{site.id}: {site.op} does not hold")
     return site.counted
+
+
+def _calls_match(got: list[tuple[str, ...]] | None, gold: list[tuple[str, ...]]) -> bool:
+    """Each call of the test's callables returned where the gold run's returned, and raised
+    where it raised, an instance of the class it raised (`operands.watch`)."""
+    if got is None or len(got) != len(gold):
+        return False
+    return all(
+        g == w if w == ("n",) else (g[:1] == ("r",) and len(w) > 1 and w[1] in g[1:])
+        for g, w in zip(got, gold, strict=True)
+    )
 
 
 #: Comparisons whose expected side cannot be met without knowing it: an equality, membership,

@@ -127,8 +127,22 @@ def _moment(value, kind):
 
 def mro(value):
     """The names of ``type(value)``'s classes, for a type check the judge makes."""
-    classes = type.__getattribute__(type(value), "__mro__")
-    return [[str(c.__module__), str(c.__qualname__)] for c in classes]
+    return _class_names(type(value))
+
+
+# type's own descriptors, read before any code under test runs: a metaclass's ``__mro__``,
+# ``__module__`` or ``__qualname__`` property cannot stand in for them (round 16)
+_MRO = type.__dict__["__mro__"].__get__
+_MODULE = type.__dict__["__module__"].__get__
+_QUALNAME = type.__dict__["__qualname__"].__get__
+
+
+def _class_names(cls):
+    return [[_name(_MODULE(c)), _name(_QUALNAME(c))] for c in _MRO(cls)]
+
+
+def _name(value):
+    return str.__str__(value) if isinstance(value, str) else "?"
 
 
 def _send(record):
@@ -200,7 +214,41 @@ _IN_PROCESS: dict = {
 
 def check(site, *operands):
     """One assertion's operands, out to the judge; the comparison is the judge's alone."""
-    _send({"event": "a", "site": site, "v": [_pack(v) for v in operands]})
+    _send(_watched(site, {"event": "a", "site": site, "v": [_pack(v) for v in operands]}))
+
+
+_calls: dict = {}  # site -> what the callables the test handed its truth check did, in order
+_MAX_CALLS = 64
+
+
+def watch(site, fn):
+    """A callable the test hands the call its truth check makes (``assert raises(E, lambda:
+    …)``): what it does when called (raised, and which class, or returned) goes out with the
+    site's event, and the judge pins it to the gold run's. The call's own verdict is code the
+    patch can change; what the test's callable did is a result (round 16: a patched
+    ``raises`` helper answered True for a call that no longer raised)."""
+    _calls[site] = []
+
+    def watched(*args, **kwargs):
+        seen = _calls.setdefault(site, [])
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException as exc:
+            if len(seen) < _MAX_CALLS:
+                seen.append(["r", _class_names(type(exc))])
+            raise
+        if len(seen) < _MAX_CALLS:
+            seen.append(["n"])
+        return out
+
+    return watched
+
+
+def _watched(site, record):
+    calls = _calls.pop(site, None)
+    if calls is not None:
+        record["w"] = calls
+    return record
 
 
 def adapt(site, op, *operands):
@@ -213,9 +261,9 @@ def adapt(site, op, *operands):
             held = bool(_IN_PROCESS[op](*operands))
         except Exception:
             held = False
-        _send({"event": "a", "site": site, "ok": held, "np": 1})
+        _send(_watched(site, {"event": "a", "site": site, "ok": held, "np": 1}))
         return
-    _send({"event": "a", "site": site, "v": packed})
+    _send(_watched(site, {"event": "a", "site": site, "v": packed}))
 
 
 def inproc(site, thunk):
@@ -271,7 +319,7 @@ class raises:
     def __exit__(self, kind, value, tb):
         names = None
         if kind is not None:
-            names = [[str(c.__module__), str(c.__qualname__)] for c in kind.__mro__]
+            names = _class_names(kind)
         said = {"x": "nothing raised"}
         if value is not None:
             try:
@@ -322,6 +370,7 @@ def install(emit, onward=False):
         "onward",
         "raises",
         "test",
+        "watch",
     )
     space = globals()
     setattr(builtins, "__legorl__", types.SimpleNamespace(**{n: space[n] for n in names}))  # noqa: B010

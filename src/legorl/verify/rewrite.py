@@ -350,14 +350,14 @@ class _Rewriter(ast.NodeTransformer):
                 and "isinstance" not in self.bound
             ):
                 return self._isinstance(sid, inner, negate=True) or self._inproc(sid, test, True)
-            return self._emit_check(sid, "not", [inner], written)
+            return self._emit_check(sid, "not", [_watching(sid, inner)], written)
         if (
             isinstance(test, ast.Call)
             and _callee(test.func) == "isinstance"
             and "isinstance" not in self.bound
         ):
             return self._isinstance(sid, test, negate=False) or self._inproc(sid, test, True)
-        return self._emit_check(sid, "truth", [test], written)
+        return self._emit_check(sid, "truth", [_watching(sid, test)], written)
 
     def _approx(self, sid: str, value: ast.expr, approx: ast.Call, negate: bool) -> ast.expr:
         try:
@@ -547,6 +547,8 @@ class _Rewriter(ast.NodeTransformer):
             node.value = _call("check", ast.Constant(sid), self.visit(args[0]))
             return node
         operands = [self.visit(a) for a in args[:count]]
+        if op in ("truth", "not"):
+            operands = [_watching(sid, operands[0])]
         node.value = self._emit_check(sid, op, operands, (call, False), **extra)
         return node
 
@@ -598,6 +600,25 @@ class _Rewriter(ast.NodeTransformer):
             self.sites[sid] = Site(sid, "raises", [(False, None)], types=names, extra=extra)
             item.context_expr = _call("raises", ast.Constant(sid), cm)
         return node
+
+
+def _watching(sid: str, test: ast.expr) -> ast.expr:
+    """A truth check's call (``raises(E, lambda: …)``) with each lambda it is handed wrapped in
+    ``__legorl__.watch``: what the test's own callable does when called goes to the judge
+    (`operands.watch`). The original stays the in-process fallback."""
+    if not isinstance(test, ast.Call):
+        return test
+    if not any(isinstance(a, ast.Lambda) for a in [*test.args, *(k.value for k in test.keywords)]):
+        return test
+
+    def wrap(arg: ast.expr) -> ast.expr:
+        return _call("watch", ast.Constant(sid), arg) if isinstance(arg, ast.Lambda) else arg
+
+    return ast.Call(
+        func=test.func,
+        args=[wrap(a) for a in test.args],
+        keywords=[ast.keyword(arg=k.arg, value=wrap(k.value)) for k in test.keywords],
+    )
 
 
 #: The calls a site's statement makes (`operands.py`).

@@ -25,7 +25,9 @@ printed output alone, as the official harness grades it), ``ordinary_run`` (off:
 no ordinary run of the task's own command, `ordinary.py`), ``pinned_containers`` (off: a
 membership's computed container, and a raised message checked for a text, need not equal the
 gold run's), ``onward`` (off: the gold record's run of the empty patch stops a test at its first
-failed assertion, and the judge counts every later one as a secret whole).
+failed assertion, and the judge counts every later one as a secret whole), ``pinned_calls``
+(off: what the callables a test hands its truth check's call did, raised or returned, need not
+be what they did in the gold run).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ DEFENCES = frozenset(
         "ordinary_run",
         "pinned_containers",
         "onward",
+        "pinned_calls",
     }
 )
 _EXTRA = ["-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", "."]
@@ -434,6 +437,7 @@ def _judge_assertions(
             bool(covered.get(test)),
             own_verdicts="own_verdicts" in off,
             pin_in="pinned_containers" not in off,
+            pin_calls="pinned_calls" not in off,
         )
         counts[group][0] += verdict.judged_out
         counts[group][1] += verdict.judged_out + verdict.judged_in
