@@ -56,7 +56,6 @@ TASKS = ROOT / "fixtures" / "tasks"
 #: The real suite; its Django tasks are graded by Django's own tests/runtests.py.
 SUITE = ROOT / "fixtures" / "tasks-real"
 DJANGO_TASK_ID = "django__django-real-4"
-TOOLZ_TASK_ID = "pytoolz__toolz-real-12"
 #: Django rows run at once, this many rollouts and gradings at a time.
 DJANGO_CONCURRENCY = 4
 MODEL = ROOT / "fixtures" / "models" / "tiny-qwen3"
@@ -86,10 +85,8 @@ def _task(variant: str = "") -> Task:
         return next(
             t for t in read_jsonl(SUITE / "tasks.jsonl", Task) if t.instance_id == DJANGO_TASK_ID
         )
-    if variant == "toolz":
-        return next(
-            t for t in read_jsonl(SUITE / "tasks.jsonl", Task) if t.instance_id == TOOLZ_TASK_ID
-        )
+    if variant.startswith("pytoolz__"):  # a task of the real suite, by its id
+        return next(t for t in read_jsonl(SUITE / "tasks.jsonl", Task) if t.instance_id == variant)
     task = next(t for t in read_jsonl(TASKS / "train.jsonl", Task) if t.instance_id == TASK_ID)
     if variant == "new_test_file":
         # The failing test in a file of its own that the test_patch creates (same instance image).

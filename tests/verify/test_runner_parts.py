@@ -281,7 +281,9 @@ def test_what_a_tests_callable_did_is_pinned_not_its_helpers_verdict(tmp_path: P
     # (``assert raises(TypeError, lambda: diff())``), a truth check whose True the patched
     # helper gave for a call that no longer raised; the patch broke the checked behaviour and
     # got 1.0. What the test's callable did (raised which class, or returned) goes to the
-    # judge, pinned to the gold run's; the helper's answer alone carries nothing.
+    # judge, pinned to the gold run's; the helper's answer alone carries nothing. Round 17:
+    # the same with a callable that is not a lambda, and with a class named as the one the
+    # gold run raised.
     helper = (
         "def raises(err, fn):\n    try:\n        fn()\n        return False\n"
         "    except err:\n        return True\n"
@@ -290,10 +292,16 @@ def test_what_a_tests_callable_did_is_pinned_not_its_helpers_verdict(tmp_path: P
     from lib import area, raises
 
 
+    def negative():
+        return area(-1, 2)
+
+
     def test_area():
         assert area(3, 5) == 15
         assert raises(ValueError, lambda: area(-1, 2))
         assert not raises(ValueError, lambda: area(1, 2))
+        assert raises(ValueError, negative)
+        assert raises((KeyError, ValueError), fn=negative)
     """
     gold = helper + GOLD.replace(
         "    return", "    if w < 0:\n        raise ValueError('negative')\n    return"
@@ -313,11 +321,42 @@ def test_what_a_tests_callable_did_is_pinned_not_its_helpers_verdict(tmp_path: P
         # another class raised, the helper told it is the one asked for
         "other": helper.replace("except err:", "except Exception:")
         + GOLD.replace("    return", "    if w < 0:\n        raise KeyError(w)\n    return"),
+        # round 17: a class of the patch's own that names itself the built-in one, and one
+        # that merely bears its name, each told by name to be it
+        "named": helper.replace("except err:", "except Exception as e:\n        return True")
+        + "class _Bad(Exception):\n    __module__ = 'builtins'\n    __qualname__ = 'ValueError'\n"
+        + GOLD.replace("    return", "    if w < 0:\n        raise _Bad(w)\n    return"),
+        "namesake": helper.replace("except err:", "except Exception as e:\n        return True")
+        + "class ValueError(Exception):\n    pass\n"
+        + GOLD.replace("    return", "    if w < 0:\n        raise ValueError(w)\n    return"),
     }.items():
         verdicts, outcomes = _judge(tmp_path / name, candidate, tests, gold)
         assert outcomes[key] == "passed", name  # the control: the in-process outcome is fooled
         assert verdicts[key].outcome == "failed", (name, verdicts[key])
         assert "callable" in verdicts[key].detail, (name, verdicts[key])
+
+
+def test_a_type_check_matches_the_gold_runs_class_not_its_name(tmp_path: Path) -> None:
+    # Round 17 (its kind): an isinstance or raised class is judged by class names; a class of
+    # the patch's own named ``int`` met ``isinstance(x, int)``. The class a type check
+    # matches must be the one the gold run's matched.
+    tests = """
+    import pytest
+    from lib import area
+
+
+    def test_type():
+        assert isinstance(area(2, 2), int)
+        with pytest.raises(TypeError):
+            area("a", None)
+    """
+    key = f"{TESTS}::test_type"
+    verdicts, _ = _judge(tmp_path / "gold", GOLD, tests)
+    assert verdicts[key].outcome == "passed", verdicts[key]
+    namesake = "class int:\n    pass\n\n\ndef area(w, h):\n    w * h\n    return int()\n"
+    verdicts, outcomes = _judge(tmp_path / "namesake", namesake, tests)
+    assert outcomes[key] == "passed"  # the control: the in-process outcome is fooled
+    assert verdicts[key].outcome == "failed" and "class" in verdicts[key].detail, verdicts[key]
 
 
 def test_literals_leave_the_test_file_and_the_judge_holds_them() -> None:

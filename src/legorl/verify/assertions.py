@@ -201,6 +201,7 @@ class Event:
 
 
 _MISSING = object()
+_MAX_CALLS = 64  # watched calls kept per site event
 
 
 def _names(raw: Any) -> list[list[str]] | None:
@@ -212,22 +213,13 @@ def _names(raw: Any) -> list[list[str]] | None:
     return [[a[:200], b[:200]] for a, b in raw]
 
 
-def _calls(raw: Any) -> list[tuple[str, ...]] | None:
-    """A ``w`` field (`operands.watch`); malformed reads as one call nobody made."""
-    if raw is None:
-        return None
-    out: list[tuple[str, ...]] = []
-    if not isinstance(raw, list) or len(raw) > 64:
-        return [("?",)]
-    for call in raw:
-        if call == ["n"]:
-            out.append(("n",))
-            continue
-        names = _names(call[1]) if isinstance(call, list) and len(call) == 2 else None
-        if names is None or call[0] != "r":
-            return [("?",)]
-        out.append(("r", *(f"{m}.{q}" for m, q in names)))
-    return out
+def _call(record: dict[str, Any]) -> tuple[str, ...]:
+    """A ``w`` record (`operands.watch_call`): ("n",) for a return, ("r", names…) for a raise;
+    malformed reads as a call nobody made."""
+    if record.get("n") == 1 and "r" not in record:
+        return ("n",)
+    names = _names(record.get("r"))
+    return ("?",) if names is None else ("r", *(f"{m}.{q}" for m, q in names))
 
 
 def decode(record: dict[str, Any], budget: Budget | None = None) -> Event | None:
@@ -236,15 +228,12 @@ def decode(record: dict[str, Any], budget: Budget | None = None) -> Event | None
     site = record.get("site")
     if not isinstance(site, str):
         return None
-    calls = _calls(record.get("w"))
     if "ok" in record:
-        return Event(
-            site, [], [], [], ok=record["ok"] is True, adaptive=record.get("np") == 1, calls=calls
-        )
+        return Event(site, [], [], [], ok=record["ok"] is True, adaptive=record.get("np") == 1)
     raw = record.get("v")
     if not isinstance(raw, list):
         return None
-    event = Event(site, [], [], [], types=[], idents=[], keys=[], calls=calls)
+    event = Event(site, [], [], [], types=[], idents=[], keys=[])
     for item in raw[:4]:
         if not isinstance(item, dict):
             return None
@@ -435,9 +424,17 @@ def by_test(records: list[dict[str, Any]]) -> dict[str, TestEvents]:
     out: dict[str, TestEvents] = {}
     stack: list[str] = []
     budget = Budget()
+    calls: dict[str, list[tuple[str, ...]]] = {}  # site -> its watched calls since its "ws"
     for record in records:
         kind = record.get("event")
+        if kind in ("ws", "w") and stack and isinstance(record.get("site"), str):
+            if kind == "ws":
+                calls[record["site"]] = []
+            elif record["site"] in calls and len(calls[record["site"]]) < _MAX_CALLS:
+                calls[record["site"]].append(_call(record))
+            continue
         if kind == "tb":
+            calls.clear()
             key = str(record.get("key", ""))
             stack.append(key)
             out.setdefault(key, TestEvents()).began = True
@@ -449,6 +446,7 @@ def by_test(records: list[dict[str, Any]]) -> dict[str, TestEvents]:
         elif kind == "a" and stack:
             event = decode(record, budget)
             if event is not None:
+                event.calls = calls.pop(event.site, None)
                 out.setdefault(stack[-1], TestEvents()).events.append(event)
     return out
 
@@ -503,6 +501,16 @@ class Gold:
                 return None
             found.add(events[index].keys[operand])
         return found.pop() if len(found) == 1 else None
+
+    def types(self, key: str, index: int) -> list[list[str]] | None:
+        """The class names the gold runs sent at one event's first operand, when they agree."""
+        found = []
+        for run in self.runs:
+            events = run.get(key, TestEvents()).events
+            if index >= len(events) or not events[index].types:
+                return None
+            found.append(events[index].types[0])
+        return found[0] if found[0] is not None and all(f == found[0] for f in found) else None
 
     def calls(self, key: str, index: int) -> list[tuple[str, ...]] | None:
         """What the test's callables did at one event in the gold runs, when they agree."""
@@ -672,6 +680,19 @@ def _event_failure(
         said = event.values[1] if len(event.values) > 1 else _MISSING
         if pinned is not _MISSING and not _same(said, pinned):
             return Judgement("failed", detail=f"{site.id}: the message differs from the gold run's")
+    if expected is not None and pin_in and site.op in _BY_TYPE:
+        # The class a type check matched is the one the gold run's matched: a class of the
+        # patch's own that merely bears the name (``class IndexError(Exception)``) does not
+        # stand in for the built-in one (round 17).
+        wanted = {t.rsplit(".", 1)[-1] for t in site.types}
+        theirs = gold.types(key, index)
+        got = event.types[0] if event.types else None
+        if theirs is not None and got is not None:
+            gold_matched = {tuple(n) for n in theirs if n[1].rsplit(".", 1)[-1] in wanted}
+            if any(tuple(n) not in gold_matched for n in got if n[1].rsplit(".", 1)[-1] in wanted):
+                return Judgement(
+                    "failed", detail=f"{site.id}: another class than the gold run's of that name"
+                )
     if not holds(site, values, event):
         return Judgement("failed", detail=f"{site.id}: {site.op} does not hold")
     return site.counted

@@ -129,7 +129,11 @@ def main(key, bundle):
         os.dup2(null, 2)
         os.close(null)
     if options.get("judge", True):
-        _load(bundle, "operands.py").install(emit, onward=options.get("onward", False))
+        operands = _load(bundle, "operands.py")
+        operands.install(emit, onward=options.get("onward", False))
+        spaces, pins = operands.guarded()
+        report.SPACES.extend(spaces)
+        report.PINS.extend(pins)
     repo = os.getcwd()
     watch = frozenset(options["watch"]) if options.get("watch") is not None else None
     if mode == "unittest":

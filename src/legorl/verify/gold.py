@@ -121,7 +121,7 @@ def task_key(task: Task, backend: str, off: frozenset[str] = frozenset()) -> str
 
 
 def _assertion_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in records if r.get("event") in ("a", "tb", "te")]
+    return [r for r in records if r.get("event") in ("a", "tb", "te", "ws", "w")]
 
 
 class GoldStore:

@@ -135,10 +135,45 @@ def mro(value):
 _MRO = type.__dict__["__mro__"].__get__
 _MODULE = type.__dict__["__module__"].__get__
 _QUALNAME = type.__dict__["__qualname__"].__get__
+_TYPE_DICT = type.__dict__["__dict__"].__get__
+_MODULE_DICT = object.__getattribute__
+#: the built-in classes by name, as they were before any code under test ran
+_BUILTIN_TYPES = {k: v for k, v in vars(builtins).items() if isinstance(v, type)}
 
 
 def _class_names(cls):
-    return [[_name(_MODULE(c)), _name(_QUALNAME(c))] for c in _MRO(cls)]
+    """[module, qualname] of each class of ``cls``'s MRO. A class is named by where its name
+    leads: one whose module and qualname lead to another class (a class of the patch's that
+    calls itself ``builtins.IndexError``, round 17) is named ``?``; one they lead nowhere
+    (a class local to a function) keeps them."""
+    out = []
+    for c in _MRO(cls):
+        module, qualname = _name(_MODULE(c)), _name(_QUALNAME(c))
+        found = _resolve(module, qualname)
+        if found is not _NOWHERE and found is not c:
+            module, qualname = "?", "?"
+        out.append([module, qualname])
+    return out
+
+
+_NOWHERE = object()
+
+
+def _resolve(module, qualname):
+    """The object ``module.qualname`` names now (built-ins: as they were), or _NOWHERE."""
+    if module == "builtins":
+        return _BUILTIN_TYPES.get(qualname, _NOWHERE)
+    try:
+        space = _MODULE_DICT(sys.modules[module], "__dict__")
+        found = _NOWHERE
+        for part in qualname.split("."):
+            found = dict.get(space, part, _NOWHERE) if type(space) is dict else _NOWHERE
+            if found is _NOWHERE:
+                return _NOWHERE
+            space = dict(_TYPE_DICT(found)) if isinstance(found, type) else None
+        return found
+    except Exception:
+        return _NOWHERE
 
 
 def _name(value):
@@ -214,41 +249,47 @@ _IN_PROCESS: dict = {
 
 def check(site, *operands):
     """One assertion's operands, out to the judge; the comparison is the judge's alone."""
-    _send(_watched(site, {"event": "a", "site": site, "v": [_pack(v) for v in operands]}))
+    _send({"event": "a", "site": site, "v": [_pack(v) for v in operands]})
 
 
-_calls: dict = {}  # site -> what the callables the test handed its truth check did, in order
-_MAX_CALLS = 64
+def watch_call(site, fn, args, kwargs):
+    """A truth check's call (``assert raises(E, lambda: …)``): where it is handed an exception
+    class and a callable, what each callable it is handed does when called (raised, and which
+    class, or returned) goes out as it happens (a record once sent cannot be unsent), and the
+    judge pins it to the gold run's. The call's own verdict is code the patch can change (the
+    helper may be the library's); what the test's callable did is a result (round 16; round
+    17: a callable that is not a lambda)."""
+    if not any(_error_classes(v) for v in (*args, *kwargs.values())):
+        return fn(*args, **kwargs)
+    _send({"event": "ws", "site": site})
+    args = tuple(_watch(site, a) for a in args)
+    kwargs = {k: _watch(site, v) for k, v in kwargs.items()}
+    return fn(*args, **kwargs)
 
 
-def watch(site, fn):
-    """A callable the test hands the call its truth check makes (``assert raises(E, lambda:
-    …)``): what it does when called (raised, and which class, or returned) goes out with the
-    site's event, and the judge pins it to the gold run's. The call's own verdict is code the
-    patch can change; what the test's callable did is a result (round 16: a patched
-    ``raises`` helper answered True for a call that no longer raised)."""
-    _calls[site] = []
+def _error_classes(value):
+    """Whether ``value`` is an exception class or a tuple of them."""
+    try:
+        items = value if type(value) is tuple else (value,)
+        return bool(items) and all(isinstance(v, type) and BaseException in _MRO(v) for v in items)
+    except Exception:
+        return False
+
+
+def _watch(site, fn):
+    if isinstance(fn, type) or not callable(fn):
+        return fn
 
     def watched(*args, **kwargs):
-        seen = _calls.setdefault(site, [])
         try:
             out = fn(*args, **kwargs)
         except BaseException as exc:
-            if len(seen) < _MAX_CALLS:
-                seen.append(["r", _class_names(type(exc))])
+            _send({"event": "w", "site": site, "r": _class_names(type(exc))})
             raise
-        if len(seen) < _MAX_CALLS:
-            seen.append(["n"])
+        _send({"event": "w", "site": site, "n": 1})
         return out
 
     return watched
-
-
-def _watched(site, record):
-    calls = _calls.pop(site, None)
-    if calls is not None:
-        record["w"] = calls
-    return record
 
 
 def adapt(site, op, *operands):
@@ -261,9 +302,9 @@ def adapt(site, op, *operands):
             held = bool(_IN_PROCESS[op](*operands))
         except Exception:
             held = False
-        _send(_watched(site, {"event": "a", "site": site, "ok": held, "np": 1}))
+        _send({"event": "a", "site": site, "ok": held, "np": 1})
         return
-    _send(_watched(site, {"event": "a", "site": site, "v": packed}))
+    _send({"event": "a", "site": site, "v": packed})
 
 
 def inproc(site, thunk):
@@ -353,6 +394,16 @@ class test:
         return False
 
 
+def guarded():
+    """For the runner's integrity guard (`pytest_report.Guard`): this module's functions and
+    classes and the ``__legorl__`` namespace, which must stay what they were (round 17: the
+    code under test replaced ``raises.__exit__`` to send the class the test asked for), and
+    the channel's writer."""
+    space = globals()
+    spaces = [("operands", space), ("__legorl__", builtins.__dict__.get("__legorl__"))]
+    return spaces, [("operands._emit", lambda: _emit[0])]
+
+
 def install(emit, onward=False):
     """Make ``__legorl__`` reachable from the rewritten tests (as a builtin); ``onward``: the
     empty patch's run of a gold record."""
@@ -370,7 +421,7 @@ def install(emit, onward=False):
         "onward",
         "raises",
         "test",
-        "watch",
+        "watch_call",
     )
     space = globals()
     setattr(builtins, "__legorl__", types.SimpleNamespace(**{n: space[n] for n in names}))  # noqa: B010

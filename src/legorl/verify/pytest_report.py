@@ -93,6 +93,13 @@ def _functions(owner: Any) -> list[tuple[str, Any]]:
     return found
 
 
+#: More of our own code for every Guard made after it is set: (label, namespace) pairs whose
+#: functions and classes are guarded (the operand sender, `operands.guarded`), and (label,
+#: getter) pairs whose value must stay the object it was.
+SPACES: list[tuple[str, Any]] = []
+PINS: list[tuple[str, Any]] = []
+
+
 class Guard:
     """What the runner's report-making code was before the code under test could touch it."""
 
@@ -101,6 +108,19 @@ class Guard:
     ) -> None:
         self.entries: list[tuple[str, Any, str, Any, Any]] = []  # label, owner, name, obj, code
         self.class_keys: list[tuple[str, Any, frozenset]] = []  # label, class, _behaviour()
+        self.pins = [(label, get, get()) for label, get in PINS]
+        for label, space in SPACES:
+            items = space if type(space) is dict else vars(space)
+            for name, value in list(items.items()):
+                if isinstance(value, types.FunctionType):
+                    self._add(f"{label}.{name}", space, name, value)
+                elif isinstance(value, type) and any(
+                    fn.__globals__ is getattr(space, "__dict__", space) or fn.__globals__ is space
+                    for _, fn in _functions(value)
+                ):
+                    self.class_keys.append((f"{label}.{name}", value, _behaviour(value)))
+                    for attr, fn in _functions(value):
+                        self._add(f"{label}.{name}.{attr}", value, attr, fn)
         for modname in modules:
             try:
                 module = importlib.import_module(modname)
@@ -142,9 +162,12 @@ class Guard:
             self.class_keys.append((label, cls, _behaviour(cls)))
 
     def changed(self) -> list[str]:
-        bad = []
+        bad = [label for label, get, was in self.pins if get() is not was]
         for label, owner, name, fn, code in self.entries:
-            current = fn if owner is None else vars(owner).get(name)
+            if owner is None:
+                current = fn
+            else:
+                current = (owner if type(owner) is dict else vars(owner)).get(name)
             current = getattr(current, "__func__", getattr(current, "fget", current))
             if current is not fn or fn.__code__ is not code:
                 bad.append(label)

@@ -603,22 +603,21 @@ class _Rewriter(ast.NodeTransformer):
 
 
 def _watching(sid: str, test: ast.expr) -> ast.expr:
-    """A truth check's call (``raises(E, lambda: …)``) with each lambda it is handed wrapped in
-    ``__legorl__.watch``: what the test's own callable does when called goes to the judge
-    (`operands.watch`). The original stays the in-process fallback."""
-    if not isinstance(test, ast.Call):
+    """A truth check's call of two or more arguments, ``f(a, b, k=c)``, made
+    ``__legorl__.watch_call(SID, f, (a, b), {"k": c})``: where it is handed an exception class
+    and a callable (``raises(E, lambda: …)``, ``raises(E, f)``), what the callable does when
+    called goes to the judge (`operands.watch_call`). The original stays the in-process
+    fallback."""
+    if not isinstance(test, ast.Call) or len(test.args) + len(test.keywords) < 2:
         return test
-    if not any(isinstance(a, ast.Lambda) for a in [*test.args, *(k.value for k in test.keywords)]):
-        return test
-
-    def wrap(arg: ast.expr) -> ast.expr:
-        return _call("watch", ast.Constant(sid), arg) if isinstance(arg, ast.Lambda) else arg
-
-    return ast.Call(
-        func=test.func,
-        args=[wrap(a) for a in test.args],
-        keywords=[ast.keyword(arg=k.arg, value=wrap(k.value)) for k in test.keywords],
-    )
+    args = ast.Tuple(elts=list(test.args), ctx=ast.Load())
+    keys: list[ast.expr | None] = []
+    values: list[ast.expr] = []
+    for kw in test.keywords:
+        keys.append(None if kw.arg is None else ast.Constant(kw.arg))
+        values.append(kw.value)
+    kwargs = ast.Dict(keys=keys, values=values)
+    return _call("watch_call", ast.Constant(sid), test.func, args, kwargs)
 
 
 #: The calls a site's statement makes (`operands.py`).

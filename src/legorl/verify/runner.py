@@ -249,7 +249,7 @@ async def run_tests(
         parsed=parsed,
         parse_error=parse_error,
         events=await asyncio.to_thread(assertions.by_test, found),
-        records=[r for r in found if r.get("event") in ("a", "tb", "te")],
+        records=[r for r in found if r.get("event") in ("a", "tb", "te", "ws", "w")],
     )
 
 
