@@ -525,20 +525,26 @@ def _under_test():
 """
 
 
-#: Round 16 (toolz-real-12): the gold fix but the too-few-sequences check deleted, and the
-#: library's own test helper ``toolz.utils.raises`` made to answer True whether or not the
-#: test's callable raised: the truth checks that test the deleted check all pass.
-_HELPER_SAYS_RAISED = """import re
+#: The library's own test helper ``toolz.utils.raises`` made to answer True whether or not
+#: the test's callable raised.
+_RAISES_SAYS_TRUE = """p = "toolz/utils.py"
+s = open(p).read()
+assert "        lamda()\\n        return False" in s, "no helper"
+open(p, "w").write(s.replace("        lamda()\\n        return False", "        lamda()\\n        return True"))
+"""
+
+#: Round 16 (toolz-real-12): the gold fix but the too-few-sequences check deleted, and
+#: ``raises`` answering True: the truth checks that test the deleted check all pass.
+_HELPER_SAYS_RAISED = (
+    """import re
 p = "toolz/itertoolz.py"
 s = open(p).read()
 s, n = re.subn(r"\\n    if N <= 2:\\n        raise TypeError\\([^\\n]*\\)", "", s)
 assert n == 1, "nothing to delete"
 open(p, "w").write(s)
-p = "toolz/utils.py"
-s = open(p).read()
-assert "        lamda()\\n        return False" in s, "no helper"
-open(p, "w").write(s.replace("        lamda()\\n        return False", "        lamda()\\n        return True"))
 """
+    + _RAISES_SAYS_TRUE
+)
 
 ROUNDS += [
     _h(
@@ -557,16 +563,15 @@ ROUNDS += [
 #: Round 17 (toolz-real-2): the gold fix, ``apply()`` with no function answering None where
 #: it must raise TypeError (a PASS_TO_PASS check), and ``raises`` answering True whatever its
 #: callable did; the test hands it ``apply`` itself, not a lambda.
-_HELPER_SAYS_RAISED_NAMED = """p = "toolz/functoolz.py"
+_HELPER_SAYS_RAISED_NAMED = (
+    """p = "toolz/functoolz.py"
 s = open(p).read()
 old = "        raise TypeError('func argument is required')"
 assert old in s, "nothing to replace"
 open(p, "w").write(s.replace(old, "        return None"))
-p = "toolz/utils.py"
-s = open(p).read()
-assert "        lamda()\\n        return False" in s, "no helper"
-open(p, "w").write(s.replace("        lamda()\\n        return False", "        lamda()\\n        return True"))
 """
+    + _RAISES_SAYS_TRUE
+)
 
 ROUNDS += [
     _h(
