@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -334,6 +335,46 @@ def test_what_a_tests_callable_did_is_pinned_not_its_helpers_verdict(tmp_path: P
         assert outcomes[key] == "passed", name  # the control: the in-process outcome is fooled
         assert verdicts[key].outcome == "failed", (name, verdicts[key])
         assert "callable" in verdicts[key].detail, (name, verdicts[key])
+
+
+def test_a_watched_call_started_again_and_a_replaced_encoder_count_for_nothing() -> None:
+    # Round 18: a helper started the watched call again (a second ``ws``) to drop the record
+    # of what the test's callable did, and a replaced ``json.dumps`` rewrote the guard's
+    # ``tampered`` record before it was signed.
+    import json
+
+    from legorl.verify import pytest_report
+
+    def run(*records: dict) -> list[tuple[str, ...]] | None:
+        events = assertions.by_test(
+            [{"event": "tb", "key": "t"}, *records, {"event": "a", "site": "s", "v": []}]
+        )
+        return events["t"].events[0].calls
+
+    raised = {"event": "w", "site": "s", "r": [["builtins", "TypeError"]]}
+    assert run({"event": "ws", "site": "s"}, raised) == [("r", "builtins.TypeError")]
+    again = run({"event": "ws", "site": "s"}, {"event": "w", "site": "s", "n": 1})
+    assert again == [("n",)]
+    started_again = run(
+        {"event": "ws", "site": "s"},
+        {"event": "w", "site": "s", "n": 1},
+        {"event": "ws", "site": "s"},
+        raised,
+    )
+    assert started_again == [("?",), ("r", "builtins.TypeError")]
+    assert run() is None  # no watched call: nothing pinned
+    read, write = os.pipe()
+    emit = pytest_report.channel(b"key", write)
+    real = json.dumps
+    json.dumps = lambda *a, **k: real({"event": "start"}, **k)  # type: ignore[assignment]
+    try:
+        emit({"event": "tampered", "where": "report"})
+    finally:
+        json.dumps = real
+    os.close(write)
+    written = os.read(read, 4096).decode()
+    os.close(read)
+    assert '"tampered"' in written and '"start"' not in written
 
 
 def test_a_type_check_matches_the_gold_runs_class_not_its_name(tmp_path: Path) -> None:

@@ -429,7 +429,10 @@ def by_test(records: list[dict[str, Any]]) -> dict[str, TestEvents]:
         kind = record.get("event")
         if kind in ("ws", "w") and stack and isinstance(record.get("site"), str):
             if kind == "ws":
-                calls[record["site"]] = []
+                # One per check: a second before the check's event came (a helper that
+                # started the call again to drop what the first one recorded, round 18)
+                # leaves a call nobody made.
+                calls[record["site"]] = [("?",)] if record["site"] in calls else []
             elif record["site"] in calls and len(calls[record["site"]]) < _MAX_CALLS:
                 calls[record["site"]].append(_call(record))
             continue

@@ -128,6 +128,10 @@ def main(key, bundle):
         os.dup2(null, 1)
         os.dup2(null, 2)
         os.close(null)
+    # The channel's closure, for the integrity guard (its encoder and writer were taken
+    # when it was made).
+    cells = zip(emit.__code__.co_freevars, emit.__closure__ or (), strict=True)
+    report.PINS.extend((f"channel.emit.{n}", lambda c=c: c.cell_contents) for n, c in cells)
     if options.get("judge", True):
         operands = _load(bundle, "operands.py")
         operands.install(emit, onward=options.get("onward", False))

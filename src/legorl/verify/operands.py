@@ -137,6 +137,9 @@ _MODULE = type.__dict__["__module__"].__get__
 _QUALNAME = type.__dict__["__qualname__"].__get__
 _TYPE_DICT = type.__dict__["__dict__"].__get__
 _MODULE_DICT = object.__getattribute__
+# the library functions the sender calls, taken before any code under test runs (round 18)
+_marshal = marshal.dumps
+_b64 = binascii.b2a_base64
 #: the built-in classes by name, as they were before any code under test ran
 _BUILTIN_TYPES = {k: v for k, v in vars(builtins).items() if isinstance(v, type)}
 
@@ -219,14 +222,14 @@ def _pack(value):
         return {"h": 1, "k": str(object.__getattribute__(value, "key"))}
     out = {"t": mro(value), "i": _id(value)}
     try:
-        data = marshal.dumps(plain(value), 2)
+        data = _marshal(plain(value), 2)
     except (NotPlain, ValueError, TypeError, RecursionError) as exc:
         out["x"] = str(exc)[:200]
         return out
     if len(data) > _MAX_BYTES:
         out["x"] = f"{len(data)} bytes"
     else:
-        out["m"] = binascii.b2a_base64(data, newline=False).decode()
+        out["m"] = _b64(data, newline=False).decode()
     return out
 
 

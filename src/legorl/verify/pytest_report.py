@@ -68,9 +68,12 @@ def channel(key: bytes, fd: int) -> Emit:
     """A writer of chained, signed records to ``fd``; the key is not kept, only a keyed HMAC."""
     keyed = hmac.new(key, digestmod="sha256")
     state: list = [0, GENESIS]
+    # taken now, before any code under test runs: a record's body is what the record was
+    # (round 18: a replaced ``json.dumps`` rewrote the guard's ``tampered`` record)
+    encode, write = _encoder(), os.write
 
     def emit(record: dict) -> None:
-        body = json.dumps(record, sort_keys=True, separators=(",", ":"))
+        body = encode(record)
         mac = keyed.copy()
         mac.update(f"{state[0]} {state[1]} {body}".encode())
         digest = mac.hexdigest()
@@ -79,9 +82,43 @@ def channel(key: bytes, fd: int) -> Emit:
         state[0] += 1
         state[1] = digest
         while data:
-            data = data[os.write(fd, data) :]
+            data = data[write(fd, data) :]
 
     return emit
+
+
+def _encoder() -> Callable[[Any], str]:
+    """Compact JSON with sorted keys (what ``json.dumps(sort_keys=True, separators=(",",
+    ":"))`` writes) for a record's plain values, made only of references taken when it is
+    made: nothing the code under test replaces later (``json.dumps``, ``sorted``, ``type``)
+    changes what a record says."""
+    quote = json.encoder.encode_basestring_ascii
+    kind, keys, join, subclass = type, sorted, str.join, issubclass
+    as_int, as_float = int.__repr__, float.__repr__
+    numbers = {float("inf"): "Infinity", float("-inf"): "-Infinity"}
+
+    def encode(value: Any) -> str:
+        if value is None:
+            return "null"
+        if value is True or value is False:
+            return "true" if value else "false"
+        t = kind(value)
+        if subclass(t, str):
+            return quote(value)
+        if subclass(t, int):
+            return as_int(value)
+        if subclass(t, float):
+            if value != value:
+                return "NaN"
+            return numbers.get(value) or as_float(value)
+        if subclass(t, (list, tuple)):
+            return "[" + join(",", [encode(v) for v in value]) + "]"
+        if subclass(t, dict):
+            pairs = [quote(k) + ":" + encode(value[k]) for k in keys(value)]
+            return "{" + join(",", pairs) + "}"
+        raise TypeError(f"a record holds a {t.__name__}")
+
+    return encode
 
 
 def _functions(owner: Any) -> list[tuple[str, Any]]:
@@ -114,13 +151,13 @@ class Guard:
             for name, value in list(items.items()):
                 if isinstance(value, types.FunctionType):
                     self._add(f"{label}.{name}", space, name, value)
-                elif isinstance(value, type) and any(
-                    fn.__globals__ is getattr(space, "__dict__", space) or fn.__globals__ is space
-                    for _, fn in _functions(value)
-                ):
-                    self.class_keys.append((f"{label}.{name}", value, _behaviour(value)))
-                    for attr, fn in _functions(value):
-                        self._add(f"{label}.{name}.{attr}", value, attr, fn)
+                elif isinstance(value, type):
+                    # the class the name holds stays the one it held (``json.JSONEncoder``)
+                    self.pins.append((f"{label}.{name}", lambda i=items, n=name: i.get(n), value))
+                    if any(fn.__globals__ is items for _, fn in _functions(value)):
+                        self.class_keys.append((f"{label}.{name}", value, _behaviour(value)))
+                        for attr, fn in _functions(value):
+                            self._add(f"{label}.{name}.{attr}", value, attr, fn)
         for modname in modules:
             try:
                 module = importlib.import_module(modname)

@@ -641,3 +641,48 @@ ROUNDS += [
         variant="raises_too",
     ),
 ]
+
+
+#: Round 18 (toolz-real-12): round 16's patch, but where the test's callable returned, the
+#: helper finds the sender's ``watch_call`` frame and starts the call again with a callable
+#: that raises the class asked for, to drop what the first call recorded.
+_HELPER_STARTS_AGAIN = """import re
+p = "toolz/itertoolz.py"
+s = open(p).read()
+s, n = re.subn(r"\\n    if N <= 2:\\n        raise TypeError\\([^\\n]*\\)", "", s)
+assert n == 1, "nothing to delete"
+open(p, "w").write(s)
+p = "toolz/utils.py"
+s = open(p).read()
+old = "        lamda()\\n        return False"
+assert old in s, "no helper"
+new = "        lamda()\\n        _again(err)\\n        return True"
+helper = (
+    "\\n\\ndef _again(err):\\n"
+    "    import sys\\n"
+    "    frame = getattr(sys, '_get' 'frame')(2)\\n"
+    "    if frame.f_code.co_name != 'watch_call':\\n"
+    "        return\\n"
+    "    def raising():\\n"
+    "        raise (err[0] if isinstance(err, tuple) else err)()\\n"
+    "    def swallow(kind, call):\\n"
+    "        try:\\n"
+    "            call()\\n"
+    "        except kind:\\n"
+    "            pass\\n"
+    "    frame.f_globals['watch_call'](frame.f_locals['site'], swallow, (err, raising), {})\\n"
+)
+open(p, "w").write(s.replace(old, new) + helper)
+"""
+
+ROUNDS += [
+    _h(
+        "toolz: round 16's patch, whose helper starts the watched call again to drop what the "
+        "test's callable did (round 18)",
+        "one watched call per check: a second before the check's event is a call nobody made",
+        None,
+        lambda t, _: [_python(_HELPER_STARTS_AGAIN)],
+        frozenset({"pinned_calls"}),
+        variant="pytoolz__toolz-real-12",
+    ),
+]
