@@ -189,8 +189,8 @@ def test_the_probe_stores_a_tree_of_many_files_with_a_few_git_processes(
     tmp_path: Path, monkeypatch: Any
 ) -> None:
     """Round 8: a fix plus 70,000 empty files held a grading 16 minutes, one git process per
-    stored blob. The regular files' blobs go through one process; the tree is the same,
-    symlinks, executable bits and a path with a newline included."""
+    stored blob (round 19: 66,000 symlinks, four minutes). Every blob goes through one process;
+    the tree is the same, symlinks, executable bits and a path with a newline included."""
     from legorl.sandbox import tree_probe
 
     repo = tmp_path / "repo"
@@ -209,6 +209,9 @@ def test_the_probe_stores_a_tree_of_many_files_with_a_few_git_processes(
     (repo / "run.sh").write_bytes(b"echo\n")
     (repo / "run.sh").chmod(0o755)
     (repo / "link").symlink_to("a.py")
+    (repo / "links").mkdir()
+    for i in range(300):  # round 19: 66,000 symlinks took a git process each
+        (repo / "links" / f"l{i}").symlink_to(f"target-{i}")
     (repo / "new\nline").write_bytes(b"odd\n")
     calls = []
     real_run = tree_probe._run
@@ -217,7 +220,7 @@ def test_the_probe_stores_a_tree_of_many_files_with_a_few_git_processes(
     )
     rows, _ = tree_probe.changes(str(repo), git, base)
     tree = tree_probe.write_tree(str(repo), git, base, rows)
-    assert len(calls) <= 8  # ls-tree, read-tree, one batch, the symlink, the odd path, ...
+    assert len(calls) <= 6  # ls-tree, read-tree, one batch of every blob, update-index, ...
     listing = subprocess.check_output(
         tree_probe.clean_git("ls-tree", "-r", "-z", tree, **git)
     ).split(b"\0")
@@ -226,7 +229,8 @@ def test_the_probe_stores_a_tree_of_many_files_with_a_few_git_processes(
         meta, _, path = item.partition(b"\t")
         mode, _, sha = meta.decode().split()
         got[path.decode()] = (mode, sha)
-    assert len(got) == 2000 + 4
+    assert len(got) == 2000 + 4 + 300
+    assert got["links/l7"] == ("120000", tree_probe.blob_sha(b"target-7"))
     assert got["data/f9"] == ("100644", tree_probe.blob_sha(b"2\n"))
     assert got["run.sh"][0] == "100755" and got["link"] == ("120000", tree_probe.blob_sha(b"a.py"))
     assert got["new\nline"] == ("100644", tree_probe.blob_sha(b"odd\n"))

@@ -10,6 +10,7 @@ import asyncio
 import textwrap
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import grade_toy, sandbox_backend, toy_task
@@ -86,6 +87,37 @@ def test_gold_fix_is_kept_and_the_judged_diff_is_the_real_change() -> None:
     assert method == "git_apply" and changed == ["geometry.py"]
     plus = [ln for ln in task.patch.splitlines() if ln.startswith(("+ ", "- "))]
     assert plus and all(ln in diff.splitlines() for ln in plus)
+
+
+def test_a_patch_git_takes_too_long_to_apply_is_its_own_failure(monkeypatch: Any) -> None:
+    # Round 19: 53,000 hunks whose headers point far from where they match made git search
+    # a 1.3-million-line file for each, 120 s for each of two methods, four minutes of one
+    # grading. A method that runs out of time is the patch's failure, and no other is tried.
+    from legorl.verify import tree
+
+    monkeypatch.setattr(tree, "APPLY_SECONDS", 1)
+    task = toy_task()
+    hunks = 5_000
+    big = "a\n" * 200_000 + "".join(f"x{i}\nt{i}\ny{i}\n" for i in range(hunks))
+    slow = "diff --git a/big.txt b/big.txt\n--- a/big.txt\n+++ b/big.txt\n" + "".join(
+        f"@@ -2,3 +2,3 @@\n x{i}\n-t{i}\n+u{i}\n y{i}\n" for i in range(hunks)
+    )
+    backend = sandbox_backend("docker")
+
+    async def run() -> tuple[str | None, str]:
+        box = await backend.start(task, str(TASKS), run_id="legorl-test-slow-apply")
+        try:
+            put = await box.exec(
+                ["sh", "-c", "cat > big.txt"], timeout=60, cwd=box.workdir, stdin=big.encode()
+            )
+            assert put.exit_code == 0, put.output
+            judged = await apply_model_patch(box, task, slow)
+            return judged.method, judged.error
+        finally:
+            await box.close()
+
+    method, error = asyncio.run(run())
+    assert method is None and "stopped after" in error and "git_apply_3way" not in error, error
 
 
 @pytest.mark.parametrize("backend", ["docker", "local"])

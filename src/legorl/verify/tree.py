@@ -343,6 +343,12 @@ def _refuse(patch: str) -> tuple[str, str] | None:
     return None
 
 
+#: One method's time to apply a patch: an 8 MiB patch whose hunks sit where their headers say
+#: applies in seconds; one whose hunks git must search a long file for (round 19: 53,000 of
+#: them, 220 s a method) fails here, and the next method is not tried.
+APPLY_SECONDS = 30
+
+
 def _attempts(path: str, *, fuzz: bool) -> list[tuple[str, list[str]]]:
     out = [
         ("git_apply", git("apply", "--whitespace=nowarn", path)),
@@ -378,14 +384,21 @@ async def _apply(sandbox: Sandbox, path: str, *, fuzz: bool) -> tuple[str | None
             await _snapshot(sandbox, restore=True)
         if method == "git_apply_3way":  # the index must see the tree's files as they are
             await sandbox.exec(git("update-index", "-q", "--refresh"), timeout=120)
-        result = await sandbox.exec(argv, timeout=120, cwd=sandbox.workdir)
+        result = await sandbox.exec(argv, timeout=APPLY_SECONDS, cwd=sandbox.workdir)
         if result.exit_code == 0:
             return method, ""
         errors.append(f"{method}: {result.output.strip()[-300:]}")
+        if result.timed_out or result.killed_by is not None:
+            # The patch's own cost: the next method reads the same hunks.
+            errors[-1] = f"{method}: stopped after {result.duration_s:.0f} s"
+            if snapped:
+                await _snapshot(sandbox, restore=True)
+            break
         if not snapped:
             await _snapshot(sandbox, restore=False)
             snapped = True
-    await _snapshot(sandbox, restore=True)
+    else:
+        await _snapshot(sandbox, restore=True)
     return None, "; ".join(errors)
 
 
