@@ -377,6 +377,31 @@ def test_a_watched_call_started_again_and_a_replaced_encoder_count_for_nothing()
     assert '"tampered"' in written and '"start"' not in written
 
 
+def test_a_tests_record_ends_only_with_its_begins_token() -> None:
+    # A red-team row (reasoned in rounds 17 and 18): the code under test called the sender's
+    # own ``test`` to end a test's record early, so that the real outcome after it landed in
+    # no test; or began another test to divert it.
+    def run(*middle: dict, paired: bool = True) -> assertions.TestEvents:
+        records = [
+            {"event": "tb", "key": "t", "n": "tok"},
+            {"event": "a", "site": "s", "v": []},
+            *middle,
+            {"event": "te", "exc": None, "n": "tok"},
+        ]
+        return assertions.by_test(records, paired=paired)["t"]
+
+    honest = run({"event": "a", "site": "s2", "v": []})
+    assert honest.ended and honest.exc is None and len(honest.events) == 2
+    cut = [{"event": "te", "exc": None, "n": "forged"}, {"event": "a", "site": "s2", "v": []}]
+    assert run(*cut).exc == "an end its begin did not send"
+    assert run(*cut, paired=False).exc is None  # the control: the record cut short, unseen
+    diverted = [{"event": "tb", "key": "other", "n": "x"}, {"event": "a", "site": "s2", "v": []}]
+    diverted.append({"event": "te", "exc": None, "n": "x"})
+    assert run(*diverted).exc == "another test began inside it"
+    same_key = [{"event": "tb", "key": "t", "n": "y"}, {"event": "te", "exc": None, "n": "y"}]
+    assert run(*same_key).exc is None  # a test that calls another runs under its own key
+
+
 def test_a_type_check_matches_the_gold_runs_class_not_its_name(tmp_path: Path) -> None:
     # Round 17 (its kind): an isinstance or raised class is judged by class names; a class of
     # the patch's own named ``int`` met ``isinstance(x, int)``. The class a type check

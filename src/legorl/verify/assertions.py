@@ -419,10 +419,14 @@ class TestEvents:
     exc: str | None = None
 
 
-def by_test(records: list[dict[str, Any]]) -> dict[str, TestEvents]:
-    """The stream's assertion events grouped by the test they happened in (innermost open)."""
+def by_test(records: list[dict[str, Any]], *, paired: bool = True) -> dict[str, TestEvents]:
+    """The stream's assertion events grouped by the test they happened in (innermost open).
+    A test's end must carry its begin's token (``paired``; off: a control only): an end that
+    does not marks the innermost open test as cut short and closes nothing; so does a begin
+    under another key while a test is open."""
     out: dict[str, TestEvents] = {}
     stack: list[str] = []
+    tokens: list[Any] = []
     budget = Budget()
     calls: dict[str, list[tuple[str, ...]]] = {}  # site -> its watched calls since its "ws"
     for record in records:
@@ -439,9 +443,19 @@ def by_test(records: list[dict[str, Any]]) -> dict[str, TestEvents]:
         if kind == "tb":
             calls.clear()
             key = str(record.get("key", ""))
+            if paired and stack and key != stack[-1]:
+                # A test's body runs inside no other test's but its own (a test that calls
+                # another runs under its own key): a begin under another key while one is open
+                # diverts what comes next away from the open test.
+                out.setdefault(stack[-1], TestEvents()).exc = "another test began inside it"
             stack.append(key)
+            tokens.append(record.get("n"))
             out.setdefault(key, TestEvents()).began = True
         elif kind == "te" and stack:
+            if paired and record.get("n") != tokens[-1]:
+                out.setdefault(stack[-1], TestEvents()).exc = "an end its begin did not send"
+                continue
+            tokens.pop()
             key = stack.pop()
             entry = out.setdefault(key, TestEvents())
             entry.ended = True

@@ -140,6 +140,7 @@ _MODULE_DICT = object.__getattribute__
 # the library functions the sender calls, taken before any code under test runs (round 18)
 _marshal = marshal.dumps
 _b64 = binascii.b2a_base64
+_urandom = os.urandom
 #: the built-in classes by name, as they were before any code under test ran
 _BUILTIN_TYPES = {k: v for k, v in vars(builtins).items() if isinstance(v, type)}
 
@@ -389,11 +390,17 @@ class test:
             if isinstance(self.owner, unittest.TestCase):
                 key = unittest.TestCase.id(self.owner)
         key = key or self.where
-        _send({"event": "tb", "key": key})
+        # The end must carry what the begin did: a token nothing but this block holds (the
+        # with statement keeps it off every frame's locals), so an end the code under test
+        # sends to cut a test's record short is known for one (the sender's side of the
+        # process-ownership limit: the real outcome then landed in no test).
+        self._token = _urandom(8).hex()
+        _send({"event": "tb", "key": key, "n": self._token})
         return self
 
     def __exit__(self, kind, value, tb):
-        _send({"event": "te", "exc": None if kind is None else str(kind.__qualname__)})
+        exc = None if kind is None else str(kind.__qualname__)
+        _send({"event": "te", "exc": exc, "n": getattr(self, "_token", "")})
         return False
 
 

@@ -27,12 +27,14 @@ membership's computed container, and a raised message checked for a text, need n
 gold run's), ``onward`` (off: the gold record's run of the empty patch stops a test at its first
 failed assertion, and the judge counts every later one as a secret whole), ``pinned_calls``
 (off: what the callables a test hands its truth check's call did, raised or returned, need not
-be what they did in the gold run).
+be what they did in the gold run), ``paired_tests`` (off: a test's end record need not carry
+its begin's token).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import secrets
 import shlex
@@ -67,6 +69,7 @@ DEFENCES = frozenset(
         "pinned_containers",
         "onward",
         "pinned_calls",
+        "paired_tests",
     }
 )
 _EXTRA = ["-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", "."]
@@ -248,7 +251,9 @@ async def run_tests(
         grader=grader,
         parsed=parsed,
         parse_error=parse_error,
-        events=await asyncio.to_thread(assertions.by_test, found),
+        events=await asyncio.to_thread(
+            functools.partial(assertions.by_test, paired="paired_tests" not in off), found
+        ),
         records=[r for r in found if r.get("event") in ("a", "tb", "te", "ws", "w")],
     )
 
