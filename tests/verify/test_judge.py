@@ -240,6 +240,7 @@ def test_the_tree_rules() -> None:
         _row("tests/test_new.py"),
         _row("tests/test_geometry.py", before=True, after=False),
         _row("pkg/conftest.py"),
+        _row(".pytest.toml"),  # pytest 9 reads it (round 20)
         _row("lib/evil.pth"),
         _row("sitecustomize/__init__.py"),
         _row("x.dist-info/entry_points.txt"),
@@ -274,6 +275,7 @@ def test_the_tree_rules() -> None:
         ("tests/test_new.py", "test_patch_path_created"),
         ("tests/test_geometry.py", "tests_touched"),
         ("pkg/conftest.py", "runner_config_touched"),
+        (".pytest.toml", "runner_config_touched"),
         ("lib/evil.pth", "runner_config_touched"),
         ("sitecustomize/__init__.py", "runner_config_touched"),
         ("x.dist-info/entry_points.txt", "runner_config_touched"),

@@ -402,6 +402,25 @@ def test_a_tests_record_ends_only_with_its_begins_token() -> None:
     assert run(*same_key).exc is None  # a test that calls another runs under its own key
 
 
+def test_the_runs_log_is_read_only_as_a_regular_file_and_never_waited_on(tmp_path: Path) -> None:
+    # Round 20: the judged user put a named pipe at the log's path; ``tail`` waited a minute.
+    from legorl.verify.runner import _TAIL
+
+    def tail(path: Path, cap: int = 5) -> bytes:
+        argv = [sys.executable, "-I", "-S", "-B", "-c", _TAIL, str(path), str(cap)]
+        return subprocess.run(argv, capture_output=True, timeout=20, check=True).stdout
+
+    log = tmp_path / "run.log"
+    log.write_bytes(b"0123456789")
+    assert tail(log) == b"56789" and tail(log, 100) == b"0123456789"
+    pipe = tmp_path / "pipe.log"
+    os.mkfifo(pipe)
+    assert tail(pipe) == b""  # returns at once: a pipe nobody writes is no log
+    link = tmp_path / "link.log"
+    link.symlink_to(log)
+    assert tail(link) == b"" and tail(tmp_path / "missing.log") == b""
+
+
 def test_a_type_check_matches_the_gold_runs_class_not_its_name(tmp_path: Path) -> None:
     # Round 17 (its kind): an isinstance or raised class is judged by class names; a class of
     # the patch's own named ``int`` met ``isinstance(x, int)``. The class a type check

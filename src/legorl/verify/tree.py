@@ -47,7 +47,17 @@ PROBE_LIMIT = 64 << 20
 MAX_PATCH = PATCH_BYTES
 
 #: Files the interpreter or pytest runs by their name alone, wherever they are.
-RUNNER_FILES = {"conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "noxfile.py"}
+#: pytest reads ``pytest.toml`` and ``.pytest.toml`` since 9.0 (round 20: not reverted, its
+#: ``python_functions`` reached the judged run).
+RUNNER_FILES = {
+    "conftest.py",
+    "pytest.ini",
+    ".pytest.ini",
+    "pytest.toml",
+    ".pytest.toml",
+    "tox.ini",
+    "noxfile.py",
+}
 SITE_HOOKS = {"sitecustomize", "usercustomize"}
 #: Config files where only the pytest sections are runner configuration.
 PYTEST_SECTIONS = {"pyproject.toml", "setup.cfg"}
