@@ -245,10 +245,11 @@ ROUNDS += [
     _h(
         "code under test sends the judge its own verdict for every assertion (round 1)",
         "the judge's sites take operands only; a verdict of the judged process counts where "
-        "the gold run's operands were not plain data either; the ordinary run",
+        "the gold run's operands were not plain data either; the ordinary run; the integrity "
+        "guard covers the sender (round 17)",
         None,
         _at_top(lambda t: _OWN_VERDICTS),
-        frozenset({"own_verdicts", "ordinary_run"}),
+        frozenset({"own_verdicts", "ordinary_run", "integrity"}),
     ),
     _h(
         "the fixed function reads the hidden test_patch from grading's folder (round 1)",
@@ -332,18 +333,19 @@ ROUNDS += [
     ),
     _h(
         "code under test sends a guess for every number the judge compares (round 2)",
-        _SECRETS,
+        _SECRETS + "; the integrity guard covers the sender (round 17)",
         "unverified",
         _at_top(lambda t: _SEND_GUESSES),
-        frozenset({"decisive_secrets", "ordinary_run"}),
+        frozenset({"decisive_secrets", "ordinary_run", "integrity"}),
         variant="guess",
     ),
     _h(
         "code under test makes every comparison judged in process hold (round 2)",
-        _SECRETS + "; a verdict of the judged process can fail a test, never carry one",
+        _SECRETS + "; a verdict of the judged process can fail a test, never carry one; the "
+        "integrity guard covers the sender (round 17)",
         "unverified",
         _at_top(lambda t: _OWN_INPROC_VERDICTS),
-        frozenset({"decisive_secrets", "ordinary_run"}),
+        frozenset({"decisive_secrets", "ordinary_run", "integrity"}),
         variant="inproc",
     ),
     _h(
