@@ -287,6 +287,33 @@ def test_the_tree_rules() -> None:
     ]
 
 
+def test_a_setup_cfg_header_the_two_ini_readers_split_differently_is_a_change() -> None:
+    # Round 21: ``[tool:pytest] #]`` is pytest's section to its own ini reader and a section
+    # named ``tool:pytest] #`` to configparser, so the pytest sections looked unchanged while
+    # pytest read ``minversion = 99`` from them.
+    before = "[metadata]\nname = toolz\n"
+    hidden = before + "[tool:pytest] #]\nminversion = 99\n"
+    assert judge(
+        [_row("setup.cfg", before=True, before_text=before, after_text=hidden)],
+        hidden=set(),
+        names=set(),
+        roots=[""],
+        base_paths={"setup.cfg"},
+    ) == [("setup.cfg", "runner_config_touched")]
+    # a change to a section's values alone, outside pytest's, is the package's own
+    kept = before.replace("toolz", "toolz2")
+    assert (
+        judge(
+            [_row("setup.cfg", before=True, before_text=before, after_text=kept)],
+            hidden=set(),
+            names=set(),
+            roots=[""],
+            base_paths={"setup.cfg"},
+        )
+        == []
+    )
+
+
 def test_a_runner_config_too_long_to_parse_quickly_stays_text() -> None:
     # Round 3: a setup.cfg line with 60,000 spaces kept configparser on verify's event loop
     # for 51 s (quadratic). Past the bounds the judge does not parse it: it is text, and a new
@@ -316,7 +343,11 @@ def test_the_judge_parses_a_bounded_amount_of_runner_configuration(
 
     line = "a" + " " * (tree.CONFIG_LINE - 3) + "b\n"
     crafted = "#\x00\n[s]\n" + line * 63
-    rows = [_row(f"d{i}/setup.cfg", after_text=crafted) for i in range(490)]
+    # (each had the same section header before: a header added is a change, unread)
+    rows = [
+        _row(f"d{i}/setup.cfg", before=True, before_text="[s]\n", after_text=crafted)
+        for i in range(490)
+    ]
     parsed: list[str] = []
     real = tree._pytest_sections
     monkeypatch.setattr(tree, "_pytest_sections", lambda n, t: parsed.append(t or "") or real(n, t))

@@ -250,7 +250,18 @@ def _config_changed(name: str, row: dict[str, Any], budget: list[int]) -> bool:
     if cost > budget[0]:
         return True
     budget[0] -= cost
+    if name == "setup.cfg" and _headers(before) != _headers(after):
+        # pytest reads setup.cfg with its own ini parser, which ends a header where
+        # configparser does not (round 21: ``[tool:pytest] #]`` is pytest's section and
+        # configparser's ``tool:pytest] #``): a section header added, removed or changed is a
+        # change of the runner's configuration, whoever's reading is right.
+        return True
     return _pytest_sections(name, before) != _pytest_sections(name, after)
+
+
+def _headers(text: str | None) -> list[str]:
+    """The lines of an ini text that any reader may take for a section header."""
+    return [ln.strip() for ln in (text or "").splitlines() if ln.lstrip().startswith("[")]
 
 
 def _module_name(rest: str) -> str | None:
