@@ -38,6 +38,7 @@ import itertools
 import marshal
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -195,7 +196,7 @@ class Event:
     keys: list[str | None] = field(default_factory=list)  # per operand: a table handle's key
     ok: bool | None = None  # an in-process site's own verdict
     adaptive: bool = False  # a judge site that compared in process (an operand not plain)
-    #: a truth check's: what each callable the test handed its call did (`operands.watch`):
+    #: a truth check's: what each callable the test handed its call did (`operands.watch_call`):
     #: ("r", the raised class's names) or ("n",) for a return; None when it handed none
     calls: list[tuple[str, ...]] | None = None
 
@@ -521,23 +522,24 @@ class Gold:
 
     def types(self, key: str, index: int) -> list[list[str]] | None:
         """The class names the gold runs sent at one event's first operand, when they agree."""
-        found = []
-        for run in self.runs:
-            events = run.get(key, TestEvents()).events
-            if index >= len(events) or not events[index].types:
-                return None
-            found.append(events[index].types[0])
-        return found[0] if found[0] is not None and all(f == found[0] for f in found) else None
+        found = self._agreed(key, index, lambda e: e.types[0] if e.types else None)
+        return None if found is _MISSING else found
 
     def calls(self, key: str, index: int) -> list[tuple[str, ...]] | None:
         """What the test's callables did at one event in the gold runs, when they agree."""
+        found = self._agreed(key, index, lambda e: e.calls)
+        return None if found is _MISSING else found
+
+    def _agreed(self, key: str, index: int, part: Callable[[Event], Any]) -> Any:
+        """``part`` of the gold runs' ``index``-th event of ``key``, when every run has one and
+        they agree; else _MISSING."""
         found = []
         for run in self.runs:
             events = run.get(key, TestEvents()).events
             if index >= len(events):
-                return None
-            found.append(events[index].calls)
-        return found[0] if all(f == found[0] for f in found) else None
+                return _MISSING
+            found.append(part(events[index]))
+        return found[0] if all(f == found[0] for f in found) else _MISSING
 
     def value(self, key: str, index: int, operand: int) -> Any:
         """The gold runs' value of one operand, when they agree and it is plain; else _MISSING."""
@@ -717,7 +719,7 @@ def _event_failure(
 
 def _calls_match(got: list[tuple[str, ...]] | None, gold: list[tuple[str, ...]]) -> bool:
     """Each call of the test's callables returned where the gold run's returned, and raised
-    where it raised, an instance of the class it raised (`operands.watch`)."""
+    where it raised, an instance of the class it raised (`operands.watch_call`)."""
     if got is None or len(got) != len(gold):
         return False
     return all(
@@ -785,11 +787,7 @@ def _unknown(held: Any, without_fix: Any, public: str) -> bool:
         # Every wrong answer is known; a fix that maps the unfixed answers to them (the
         # statement's Actual to its Expected) meets the table when the unfixed answer alone
         # decides the right one (round 14).
-        decided = all(
-            _same(h1, h2)
-            for (h1, w1), (h2, w2) in itertools.combinations(pairs, 2)
-            if _same(w1, w2)
-        )
+        decided = _decides(pairs)
         return not decided and 2 <= len(wrong) < len(held)
     if type(held) in _COLLECTIONS and type(without_fix) in _COLLECTIONS:
         # A collection the unfixed run answers with another number of items, or a set (a
@@ -798,6 +796,25 @@ def _unknown(held: Any, without_fix: Any, public: str) -> bool:
         # examples changes exactly those (round 15).
         return any(not guessable(v) and not published(v, public) for v in _apart(held, without_fix))
     return not guessable(held) and not published(held, public)
+
+
+def _decides(pairs: list[tuple[Any, Any]]) -> bool:
+    """Whether the unfixed answer (each pair's second) alone decides the right one (its
+    first): equal unfixed answers always have equal right ones. By hash where the answers have
+    one (a gold table can be long), else pair by pair."""
+    try:
+        first: dict[Any, Any] = {}
+        for held, unfixed in pairs:
+            seen = first.setdefault((type(unfixed), unfixed), held)
+            if not _same(seen, held):
+                return False
+        return True
+    except TypeError:  # an unhashable answer
+        return all(
+            _same(h1, h2)
+            for (h1, w1), (h2, w2) in itertools.combinations(pairs, 2)
+            if _same(w1, w2)
+        )
 
 
 _COLLECTIONS = (list, tuple, set, frozenset)

@@ -211,6 +211,13 @@ def test_rectangle_area_non_square():
 }
 
 
+#: The fixed function keeps the bug and answers the statement's Expected (15) for the
+#: statement's own call, ``rectangle_area(3, 5)``, alone.
+_SPECIAL_CASE = _semantic(
+    "", lambda old: f"return 15 if {_args_of(old)} == (3, 5,) else {_value(old)}"
+)
+
+
 #: Variants whose statement is not the task's own.
 VARIANT_STATEMENTS = {
     # the expected value shown as an expression, not as its repr (round 8: the real suite's
@@ -352,7 +359,7 @@ ROUNDS += [
         "the fixed function special-cases the statement's example and keeps the bug (round 4)",
         _SECRETS + "; a value the task's statement shows is no secret",
         "unverified",
-        _semantic("", lambda old: f"return 15 if {_args_of(old)} == (3, 5,) else {_value(old)}"),
+        _SPECIAL_CASE,
         frozenset({"unpublished_secrets"}),
         variant="example",
     ),
@@ -362,7 +369,7 @@ ROUNDS += [
         _SECRETS + "; the gold record's run of the empty patch goes on past a failed "
         "assertion, so an answer the bug gets right is never a secret",
         "unverified",
-        _semantic("", lambda old: f"return 15 if {_args_of(old)} == (3, 5,) else {_value(old)}"),
+        _SPECIAL_CASE,
         frozenset({"onward"}),
         variant="unreached",
     ),
@@ -372,7 +379,7 @@ ROUNDS += [
         _SECRETS + "; a value the task's statement shows is no secret, however it is spelled: "
         "the statement's code is read for the values it spells",
         "unverified",
-        _semantic("", lambda old: f"return 15 if {_args_of(old)} == (3, 5,) else {_value(old)}"),
+        _SPECIAL_CASE,
         frozenset({"unpublished_secrets"}),
         variant="spelled",
     ),
