@@ -314,6 +314,24 @@ def test_a_setup_cfg_header_the_two_ini_readers_split_differently_is_a_change() 
     )
 
 
+def test_a_pytest_config_the_judge_cannot_read_as_pytest_does_is_a_change() -> None:
+    # Round 22: a new pyproject.toml that is a symlink (no text for the judge to read, so
+    # "unchanged"), and a setup.cfg key after a form feed (a comment line to configparser, a
+    # key to pytest's ini reader), each gave pytest ``pythonpath = etc`` unseen.
+    def flags(**row: Any) -> list[tuple[str, str]]:
+        return judge([row], hidden=set(), names=set(), roots=[""], base_paths=set())
+
+    link = _row("pyproject.toml", before_text=None, after_text=None)
+    assert flags(**link) == [("pyproject.toml", "runner_config_touched")]
+    before = "[tool:pytest]\naddopts = -rA\n"
+    for brk in ("\x0c", "\u2028", "\r", "\x85"):
+        hidden = before + f"# layout{brk}pythonpath = etc\n"
+        row = _row("setup.cfg", before=True, before_text=before, after_text=hidden)
+        assert flags(**row) == [("setup.cfg", "runner_config_touched")], repr(brk)
+    plain = _row("setup.cfg", before=True, before_text=before, after_text=before + "# note\n")
+    assert flags(**plain) == []  # a comment is still no change
+
+
 def test_a_runner_config_too_long_to_parse_quickly_stays_text() -> None:
     # Round 3: a setup.cfg line with 60,000 spaces kept configparser on verify's event loop
     # for 51 s (quadratic). Past the bounds the judge does not parse it: it is text, and a new

@@ -229,6 +229,11 @@ def _pytest_sections(name: str, text: str | None) -> Any:
         return None
     if len(text) > CONFIG_BYTES or any(len(line) > CONFIG_LINE for line in text.splitlines()):
         return text
+    if text.splitlines() != text.split("\n")[: len(text.splitlines())] or "\r" in text:
+        # A line break configparser does not split on (a form feed, U+2028, a carriage
+        # return) and pytest's ini reader does (round 22: ``# x\fpythonpath = etc`` was a
+        # comment to one and a key to the other): the text, unparsed.
+        return text
     try:
         if name == "pyproject.toml":
             tool = tomllib.loads(text).get("tool", {})
@@ -244,6 +249,11 @@ def _config_changed(name: str, row: dict[str, Any], budget: list[int]) -> bool:
     """Whether the pytest configuration of a changed pyproject.toml / setup.cfg changed, its
     texts parsed from ``budget`` (bytes left, spent here); past it, unread, it did."""
     before, after = row.get("before_text"), row.get("after_text")
+    if (row["after"] is not None and after is None) or (
+        row["before"] is not None and before is None
+    ):
+        # not a text the judge reads (a symlink, round 22): pytest still reads what it leads to
+        return True
     if before == after:
         return False
     cost = len(before or "") + len(after or "")
