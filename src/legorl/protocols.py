@@ -268,8 +268,9 @@ class SandboxBackend(Protocol):
     verdict-bearing run, from the pristine instance layer, closed after that run. Its root
     file system is read-only (the image's or env layer's site-packages and ``.pth`` files,
     /usr, /etc, /opt, / itself) even for root; only the repository (``workdir``, a fresh copy
-    of the instance layer's) and /tmp (Docker: a 512 MiB tmpfs, exec allowed; local: the
-    sandbox's private folder, mode 1777) are writable, and /dev/shm, private to the sandbox.
+    of the instance layer's) and /tmp are writable, and /dev/shm, private to the sandbox. Both
+    are size-capped tmpfs, exec allowed (Docker: 1 GiB and 512 MiB; local: the sandbox's
+    private folder, 1.5 GiB in all), so what a judged command writes is never on the disk.
     No network, no proxy. Docker also keeps only the capabilities root's own grading steps
     use (chown, file ownership overrides, kill). Agent sandboxes (``grading=False``) are as
     before."""

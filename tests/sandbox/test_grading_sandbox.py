@@ -6,6 +6,10 @@ that shows the same attack working with the defence switched off."""
 from __future__ import annotations
 
 import json
+import os
+import socket
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -282,20 +286,106 @@ def test_a_symlink_in_the_tree_does_not_lend_the_grader_files_to_the_judged(
     run(go())
 
 
-def test_a_grading_container_takes_its_repository_volume_with_it(docker_backend: Any) -> None:
-    async def go() -> None:
-        box = await _start(docker_backend, grading=True)
+@pytest.mark.parametrize("grading", [True, False])
+def test_what_a_judged_command_writes_is_capped_in_memory_not_on_disk(
+    backend: Any, grading: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A judged command filling /testbed or /tmp fills a size-capped tmpfs its sandbox is
+    # charged for, never the disk the judge and the other gradings share. The caps are made
+    # small here; the control is a rollout sandbox, whose repository is on disk.
+    from legorl.sandbox import docker_backend, local_backend
+
+    monkeypatch.setattr(docker_backend, "GRADING_REPO_MB", 24)
+    monkeypatch.setattr(docker_backend, "GRADING_TMP_MB", 8)
+    monkeypatch.setattr(local_backend, "GRADING_REPO_MB", 24)
+    monkeypatch.setattr(local_backend, "GRADING_TMP_MB", 8)
+
+    async def go() -> tuple[str, str, str]:
+        box = await _start(backend, grading=grading)
         try:
-            mounts = docker_backend.api.inspect_container(box.container_id)["Mounts"]
-            info = docker_backend.api.inspect_container(box.container_id)["HostConfig"]
+            if grading:
+                await box.exec(
+                    ["chown", "-R", f"{JUDGED_UID}:{JUDGED_UID}", box.workdir], timeout=60
+                )
+            fill = (
+                "head -c 64M /dev/zero > fill; echo rc=$?; wc -c < fill; "
+                'head -c 64M /dev/zero > "$TMPDIR/fill"; echo tmp=$?'
+            )
+            r = await box.exec(["sh", "-c", fill], judged=grading, timeout=120)
+            kinds = await box.exec(["sh", "-c", f"stat -f -c %T {box.workdir} /tmp"], timeout=30)
+            root = str(getattr(box, "root", ""))
         finally:
             await box.close()
-        volumes = [m["Name"] for m in mounts if m["Destination"] == "/testbed"]
-        assert len(volumes) == 1 and info["ReadonlyRootfs"] is True
-        names = {v["Name"] for v in docker_backend.api.volumes().get("Volumes") or []}
-        assert volumes[0] not in names
+        return r.output, kinds.output, root
 
-    run(go())
+    out, kinds, root = run(go())
+    lines = out.split()
+    if not grading:  # the control: 64 MiB written whole, on disk
+        assert "rc=0" in lines and "67108864" in lines, out
+        return
+    assert "rc=1" in lines and "No space left" in out, out
+    written = int(next(x for x in lines if x.isdigit()))
+    assert written <= (24 if backend.name == "docker" else 24 + 8) << 20, written  # local: one
+    assert "tmp=1" in lines, out
+    assert kinds.split() == ["tmpfs", "tmpfs"], kinds
+    if root:  # local: the whole private folder was one tmpfs, unmounted and gone
+        assert not Path(root).exists()
+        with open("/proc/self/mounts") as fh:
+            assert root not in fh.read()
+
+
+def test_a_tree_too_deep_for_rmtree_goes_with_its_sandbox(
+    local_backend: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A judged command leaves a 3,000-deep tree in /tmp and /testbed: Python's rmtree
+    # recursed once per level and raised RecursionError, which left the folder behind for
+    # good and made the next start's gc raise (a later trajectory's grading failed).
+    from legorl.sandbox.local_backend import gc_local, remove_folder
+
+    deep = (
+        "import os, sys\n"
+        "os.chdir(os.path.expandvars(sys.argv[1]))\n"
+        "for _ in range(3000):\n"
+        "    os.mkdir('n')\n"
+        "    os.chdir('n')\n"
+    )
+
+    async def go() -> str:
+        box = await _start(local_backend, grading=True)
+        try:
+            await box.exec(["chown", "-R", f"{JUDGED_UID}:{JUDGED_UID}", box.workdir], timeout=60)
+            for where in ("$TMPDIR", box.workdir):
+                r = await box.exec(["python", "-c", deep, where], judged=True, timeout=300)
+                assert r.exit_code == 0, r.output
+        finally:
+            await box.close()
+        return str(box.root)
+
+    root = run(go())
+    assert not Path(root).exists()
+    # A dead run's leftover as deep, found by gc (in a state root of its own, away from other
+    # tests' gc): removed, and gc does not raise.
+    from legorl.sandbox.common import state_root
+
+    monkeypatch.setenv("LEGORL_SANDBOX_STATE", str(tmp_path / "state"))
+    left = state_root() / "legorl-deadbeef0000"
+    left.mkdir()
+    dead = f"{socket.gethostname()}:999999999:0"  # this host, no such process
+    (left / "owner.json").write_text(json.dumps({"owner": dead, "run": "x"}))
+    fd = os.open(left, os.O_RDONLY)
+    for _ in range(3000):
+        os.mkdir("n", dir_fd=fd)
+        inner = os.open("n", os.O_RDONLY, dir_fd=fd)
+        os.close(fd)
+        fd = inner
+    os.close(fd)
+    old = time.time() - 7200
+    os.utime(left, (old, old))
+    try:
+        gc_local()
+        assert not left.exists()
+    finally:
+        remove_folder(left)
 
 
 @pytest.mark.parametrize("grading", [False, True])

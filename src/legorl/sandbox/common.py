@@ -40,8 +40,12 @@ BASE_PATH = f"{ENV_DIR}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/s
 #: The unprivileged user (and group) of judged commands (``Sandbox.exec(judged=True)``):
 #: "nobody", which Debian, Ubuntu and SWE-bench images all name, so ``pwd`` lookups work.
 JUDGED_UID = 65534
-#: The size cap of a grading sandbox's /tmp (Docker's tmpfs).
+#: The size cap of a grading sandbox's /tmp (a tmpfs).
 GRADING_TMP_MB = 512
+#: The size cap of a grading sandbox's /testbed (a tmpfs the repository is copied into), so
+#: that what a judged command writes there is held in memory its sandbox is charged for, never
+#: on the disk the judge and the other gradings share.
+GRADING_REPO_MB = 1024
 #: The capabilities root keeps in a grading sandbox, for its own grading steps (git apply, the
 #: chown before the judged run, writing into the judged user's tree); judged commands hold none.
 GRADING_CAPS = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL")

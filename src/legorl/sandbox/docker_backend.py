@@ -41,6 +41,7 @@ from legorl.sandbox import cgroups, tree_probe
 from legorl.sandbox.common import (
     BASE_PATH,
     GRADING_CAPS,
+    GRADING_REPO_MB,
     GRADING_TMP_MB,
     JUDGED_DIR_PREFIX,
     JUDGED_SUBDIRS,
@@ -393,6 +394,17 @@ class DockerSandbox:
             tar.addfile(info, io.BytesIO(data))
         import docker.errors
 
+        if self.grading:
+            # The archive API sees the image's layers, not a grading sandbox's tmpfs mounts
+            # (/testbed, /tmp): the tar goes in on a command's stdin instead.
+            put = self.exec_sync(
+                ["sh", "-c", 'mkdir -p "$1" && tar -x -C "$1"', "sh", folder or "/"],
+                stdin=buf.getvalue(),
+                timeout=120,
+            )
+            if put.exit_code != 0:
+                raise SandboxError(f"sandbox {self.id}: cannot write {full}: {_last(put.output)}")
+            return
         try:
             self.api.put_archive(self.container_id, folder or "/", buf.getvalue())
         except docker.errors.NotFound:
@@ -413,6 +425,8 @@ class DockerSandbox:
         import docker.errors
 
         full = path if path.startswith("/") else f"{WORKDIR}/{path}"
+        if self.grading:
+            return self._read_by_tar(full, limit)
         try:
             stream, stat = self.api.get_archive(self.container_id, full)
         except docker.errors.NotFound:
@@ -423,15 +437,7 @@ class DockerSandbox:
                 raise FileTooLarge(full, limit, size)
             reader = _CappedStream(stream, None if limit is None else limit + _TAR_SLACK)
             try:
-                with tarfile.open(fileobj=reader, mode="r|") as tar:
-                    member = tar.next()
-                    if member is None or not member.isfile():
-                        raise IsADirectoryError(f"{full}: not a regular file in sandbox {self.id}")
-                    if limit is not None and member.size > limit:
-                        raise FileTooLarge(full, limit, member.size)
-                    fh = tar.extractfile(member)
-                    assert fh is not None
-                    return fh.read()
+                return self._only_file(reader, full, limit)
             except _StreamOver:
                 raise FileTooLarge(full, limit or 0) from None
         finally:
@@ -439,6 +445,50 @@ class DockerSandbox:
             if close is not None:
                 with contextlib.suppress(Exception):
                     close()
+
+    def _only_file(self, stream: Any, full: str, limit: int | None) -> bytes:
+        """The one member of a tar stream of ``full``: a regular file within ``limit``."""
+        with tarfile.open(fileobj=stream, mode="r|") as tar:
+            member = tar.next()
+            if member is None or not member.isfile():
+                raise IsADirectoryError(f"{full}: not a regular file in sandbox {self.id}")
+            if limit is not None and member.size > limit:
+                raise FileTooLarge(full, limit, member.size)
+            fh = tar.extractfile(member)
+            assert fh is not None
+            return fh.read()
+
+    def _read_by_tar(self, full: str, limit: int | None) -> bytes:
+        """A grading sandbox's file, as a tar stream from a command in it (the archive API
+        would read below its tmpfs mounts), cut at ``limit`` plus the tar framing: tar neither
+        follows a link nor opens anything but a regular file's contents."""
+        folder, _, name = full.rstrip("/").rpartition("/")
+        cap = None if limit is None else limit + _TAR_SLACK
+        got = bytearray()
+
+        def keep(chunk: bytes) -> None:
+            if cap is None or len(got) <= cap:
+                got.extend(chunk)
+
+        script = 'test -e "$1/$2" || test -L "$1/$2" || exit 3; tar -c -C "$1" -- "$2" 2>/dev/null'
+        if cap is not None:
+            script += f" | head -c {cap + 1}"
+        run = self.exec_sync(
+            ["sh", "-c", script, "sh", folder or "/", name],
+            timeout=120,
+            on_output=keep,
+            output_limit=4096,
+        )
+        if run.exit_code == 3:
+            raise FileNotFoundError(f"{full}: no such file in sandbox {self.id}")
+        if run.exit_code != 0:
+            raise SandboxError(f"sandbox {self.id}: cannot read {full}: {_last(run.output)}")
+        if cap is not None and len(got) > cap:
+            raise FileTooLarge(full, limit or 0)
+        try:
+            return self._only_file(io.BytesIO(bytes(got)), full, limit)
+        except tarfile.TarError as exc:
+            raise SandboxError(f"sandbox {self.id}: cannot read {full}: {exc}") from None
 
     async def diff(self) -> str:
         return await in_thread(self.diff_sync)
@@ -533,6 +583,31 @@ class DockerSandbox:
         return bool(state.get("Running"))
 
     # -- close
+
+    def fill_repo(self) -> None:
+        """Copy the image's repository into this grading sandbox's /testbed tmpfs.
+
+        The archive API reads the container's image layers, below its tmpfs mounts, so it
+        yields the pristine repository the tmpfs hides; tar, as root, keeps owners and modes.
+        """
+        import docker.errors
+
+        try:
+            stream, _ = self.api.get_archive(self.container_id, f"{WORKDIR}/.")
+            data = b"".join(stream)
+        except docker.errors.APIError as exc:
+            raise SandboxError(
+                f"sandbox {self.id}: cannot read the image's repository: {_short(exc)}"
+            ) from None
+        put = self.exec_sync(
+            ["sh", "-c", f"tar -x -C {WORKDIR} --strip-components=1 && test -d {WORKDIR}/.git"],
+            stdin=data,
+            timeout=120,
+        )
+        if put.exit_code != 0:
+            raise SandboxError(
+                f"sandbox {self.id}: cannot copy the repository into {WORKDIR}: {_last(put.output)}"
+            )
 
     async def close(self) -> None:
         await in_thread(self.close_sync)
@@ -663,8 +738,8 @@ class DockerBackend:
         import docker.errors
 
         try:
-            # v: with the container goes its anonymous volume (a grading sandbox's /testbed);
-            # named ones (the harness runtime) stay.
+            # v: anonymous volumes go with the container; named ones (the harness runtime)
+            # stay.
             self.api.remove_container(container_id, force=True, v=True)
         except docker.errors.NotFound:
             pass
@@ -762,12 +837,14 @@ class DockerBackend:
             binds = {str(rundir): {"bind": RELAY_DIR, "mode": "ro"}}
         lockdown: dict[str, Any] = {"cap_drop": ["NET_RAW", "MKNOD", "AUDIT_WRITE"]}
         if grading:
-            # The image's files read-only; /testbed a fresh anonymous volume (Docker copies
-            # the image's repository into it; removed with the container); /tmp a tmpfs.
-            mounts.append(Mount(WORKDIR, None, type="volume"))
+            # The image's files read-only; /testbed and /tmp size-capped tmpfs, the image's
+            # repository copied into /testbed once the container runs (`_fill_repo`).
             lockdown = {
                 "read_only": True,
-                "tmpfs": {"/tmp": f"rw,exec,nosuid,nodev,size={GRADING_TMP_MB}m,mode=1777"},
+                "tmpfs": {
+                    "/tmp": f"rw,exec,nosuid,nodev,size={GRADING_TMP_MB}m,mode=1777",
+                    WORKDIR: f"rw,exec,nosuid,nodev,size={GRADING_REPO_MB}m,mode=755",
+                },
                 "cap_drop": ["ALL"],
                 "cap_add": list(GRADING_CAPS),
             }
@@ -843,6 +920,12 @@ class DockerBackend:
             grading=grading,
         )
         touch_usage(tag)
+        if grading:
+            try:
+                box.fill_repo()
+            except BaseException:
+                box.close_sync()
+                raise
         if relay is not None:
             _, port, _ = split_proxy_url(proxy_url or "")
             ready = box.exec_sync(

@@ -42,6 +42,8 @@ from legorl.sandbox.common import (
     BASE_PATH,
     ENV_DIR,
     GRADING_CAPS,
+    GRADING_REPO_MB,
+    GRADING_TMP_MB,
     JUDGED_DIR_PREFIX,
     JUDGED_SUBDIRS,
     JUDGED_UID,
@@ -738,7 +740,7 @@ class LocalSandbox:
             self._relay.close()
         if self.cgroup is not None:
             self.cgroup.remove()
-        shutil.rmtree(self.root, ignore_errors=True)
+        remove_folder(self.root)
 
 
 class LocalBackend:
@@ -812,6 +814,8 @@ class LocalBackend:
         relay = None
         cg = None
         try:
+            if grading:
+                _mount_grading_tmpfs(root)
             write_owner(root, run_id, task.instance_id)
             for sub in ("tmp", "home"):
                 (root / sub).mkdir()
@@ -844,8 +848,42 @@ class LocalBackend:
                 relay.close()
             if cg is not None:
                 cg.remove()
-            shutil.rmtree(root, ignore_errors=True)
+            remove_folder(root)
             raise
+
+
+def _mount_grading_tmpfs(root: Path) -> None:
+    """A grading sandbox's whole private folder (its repository, /tmp and HOME) on one
+    size-capped tmpfs: what a judged command writes is held in memory its cgroup is charged
+    for, up to ``GRADING_REPO_MB + GRADING_TMP_MB``, never on the disk the judge shares."""
+    size = GRADING_REPO_MB + GRADING_TMP_MB
+    opts = f"size={size}m,mode=0755,nosuid,nodev"
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", opts, "legorl-grading", str(root)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SandboxError(f"cannot mount a tmpfs on {root}: {exc}") from None
+    if done.returncode != 0:
+        why = (done.stderr.strip().splitlines() or ["mount failed"])[-1]
+        raise SandboxError(f"cannot mount a tmpfs on {root} (grading needs root): {why}")
+
+
+def remove_folder(folder: Path) -> None:
+    """Remove a sandbox's private folder, whatever a judged command left in it: its tmpfs
+    detached first, then ``rm -rf``, which walks a tree of any depth (Python's ``rmtree``
+    recurses once per level and raises ``RecursionError`` on a deep one). Never raises."""
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        if os.path.ismount(folder):
+            subprocess.run(["umount", "-l", str(folder)], capture_output=True, timeout=60)
+        subprocess.run(
+            ["rm", "-rf", "--one-file-system", "--", str(folder)],
+            capture_output=True,
+            timeout=3600,
+        )
 
 
 def gc_local(*, everything: bool = False, dry_run: bool = False) -> list[str]:
@@ -874,7 +912,7 @@ def gc_local(*, everything: bool = False, dry_run: bool = False) -> list[str]:
             continue
         removed.append(folder.name)
         if not dry_run:
-            shutil.rmtree(folder, ignore_errors=True)
+            remove_folder(folder)
     # The cgroups are the host's, shared by every state root (another user's, a Ray node's):
     # only those of the sandboxes judged dead here go, and an orphan whose folder is gone
     # from every root once it is a day old.
