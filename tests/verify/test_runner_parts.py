@@ -18,6 +18,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from conftest import ROOT
 
 from legorl.records import Task, read_jsonl
@@ -337,6 +338,158 @@ def test_what_a_tests_callable_did_is_pinned_not_its_helpers_verdict(tmp_path: P
         assert "callable" in verdicts[key].detail, (name, verdicts[key])
 
 
+def test_a_watched_call_runs_the_callable_alone_called_as_the_gold_runs_was(
+    tmp_path: Path,
+) -> None:
+    # Round 24: the library's helper decides how the test's callable is called. It passed an
+    # argument the callable does not take (a TypeError, the class the test expects, without
+    # running it), or set a trace or profile function, or a signal handler, that raised the
+    # expected class as the callable started or ran; toolz's ``raises`` got 1.0 for a patch
+    # that broke the checked behaviour. The call's shape is pinned to the gold run's, and the
+    # callable runs with no hook set before it.
+    helper = (
+        "def raises(err, fn):\n    try:\n        fn()\n        return False\n"
+        "    except err:\n        return True\n"
+    )
+    tests = """
+    from lib import area, raises
+
+
+    def test_area():
+        assert area(3, 5) == 15
+        assert raises(TypeError, lambda: area(-1, 2))
+    """
+    gold = helper + GOLD.replace(
+        "    return", "    if w < 0:\n        raise TypeError('negative')\n    return"
+    )
+    key = f"{TESTS}::test_area"
+    verdicts, _ = _judge(tmp_path / "gold", gold, tests, gold)
+    assert verdicts[key].outcome == "passed", verdicts[key]
+    hooked = (
+        "import signal, sys\n"
+        "def raises(err, fn):\n"
+        "    code = getattr(fn, '__code__', None)\n"
+        "    def hook(frame, event, arg=None):\n"
+        "        if event == 'call' and frame.f_code is code:\n"
+        "            raise err('forged')\n"
+        "    ARM(hook)\n"
+        "    try:\n        fn()\n        return False\n"
+        "    except err:\n        return True\n"
+        "    finally:\n        DISARM\n"
+    )
+    # The trace function gives the watched wrapper itself (and the lambda) a line tracer that
+    # raises there.
+    local = (
+        "import sys\n"
+        "def raises(err, fn):\n"
+        "    def line(frame, event, arg):\n"
+        "        if event == 'line':\n            raise err('forged')\n"
+        "        return line\n"
+        "    def hook(frame, event, arg):\n"
+        "        return line if frame.f_code.co_name in ('watched', '<lambda>') else None\n"
+        "    sys.settrace(hook)\n"
+        "    try:\n        fn()\n        return False\n"
+        "    except err:\n        return True\n"
+        "    finally:\n        sys.settrace(None)\n"
+    )
+    # A periodic timer whose handler raises once the code under test is running.
+    timer = (
+        "import signal\n"
+        "def raises(err, fn):\n"
+        "    def handler(signum, frame):\n"
+        "        if frame is not None and frame.f_code.co_name == 'area':\n"
+        "            signal.setitimer(signal.ITIMER_REAL, 0)\n"
+        "            raise err('forged')\n"
+        "    old = signal.signal(signal.SIGALRM, handler)\n"
+        "    signal.setitimer(signal.ITIMER_REAL, 0.001, 0.001)\n"
+        "    try:\n        fn()\n        return False\n"
+        "    except err:\n        return True\n"
+        "    finally:\n"
+        "        signal.setitimer(signal.ITIMER_REAL, 0)\n"
+        "        signal.signal(signal.SIGALRM, old)\n"
+    )
+    slow = GOLD.replace(
+        "    return", "    for _ in range(20_000_000 if w < 0 else 0):\n        pass\n    return"
+    )
+    for name, candidate in {
+        "arity": helper.replace("fn()", "fn(None)") + GOLD,
+        "trace": hooked.replace("DISARM", "sys.settrace(None)").replace("ARM", "sys.settrace")
+        + GOLD,
+        "profile": hooked.replace("DISARM", "sys.setprofile(None)").replace("ARM", "sys.setprofile")
+        + GOLD,
+        "local": local + GOLD,
+        "signal": timer + slow,
+    }.items():
+        repo = _repo(tmp_path / name / "plain", candidate, tests)
+        plain = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", TESTS],
+            cwd=repo,
+            capture_output=True,
+            timeout=120,
+        )
+        # the control: under plain pytest the helper's forgery holds
+        assert plain.returncode == 0, (name, plain.stdout.decode()[-2000:])
+        verdicts, _ = _judge(tmp_path / name, candidate, tests, gold)
+        assert verdicts[key].outcome == "failed", (name, verdicts[key])
+        assert "callable" in verdicts[key].detail, (name, verdicts[key])
+
+
+_MONITORED = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("operands", sys.argv[1])
+op = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(op)
+sent = []
+op._send = sent.append
+M = sys.monitoring
+M.use_tool_id(3, "attack")
+
+
+def target():
+    return 1
+
+
+def on_start(code, offset):
+    if code is target.__code__:
+        raise ValueError("forged")
+
+
+M.register_callback(3, M.events.PY_START, on_start)
+M.set_events(3, M.events.PY_START)
+out = {}
+for name, call in (("bare", target), ("watched", op._watch("s", target)), ("after", target)):
+    try:
+        call()
+        out[name] = "returned"
+    except ValueError:
+        out[name] = "raised"
+print(json.dumps({"out": out, "sent": sent}))
+"""
+
+
+def test_a_watched_call_runs_free_of_monitoring_callbacks() -> None:
+    # Python 3.12's sys.monitoring: a PY_START callback that raises raises into the call it
+    # watches, as a trace function does; the watched call runs with every callback cleared,
+    # and they are back after it. The task images here are 3.11: a newer interpreter of the
+    # machine's runs this.
+    found = sorted(Path.home().glob(".pyenv/versions/3.1[2-9].*/bin/python"))
+    found += [Path(p) for p in ("/usr/bin/python3.12", "/usr/bin/python3.13") if Path(p).exists()]
+    if not found:
+        pytest.skip("no Python 3.12 or newer on this machine (sys.monitoring)")
+    operands_py = ROOT / "src/legorl/verify/operands.py"
+    done = subprocess.run(
+        [str(found[-1]), "-I", "-c", _MONITORED, str(operands_py)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    # the control (bare) and the callback put back (after) raise; the watched call returns
+    assert got["out"] == {"bare": "raised", "watched": "returned", "after": "raised"}, got
+    assert got["sent"] == [{"event": "w", "site": "s", "a": [0, []], "n": 1}], got
+
+
 def test_a_watched_call_started_again_and_a_replaced_encoder_count_for_nothing() -> None:
     # Round 18: a helper started the watched call again (a second ``ws``) to drop the record
     # of what the test's callable did, and a replaced ``json.dumps`` rewrote the guard's
@@ -351,17 +504,20 @@ def test_a_watched_call_started_again_and_a_replaced_encoder_count_for_nothing()
         )
         return events["t"].events[0].calls
 
-    raised = {"event": "w", "site": "s", "r": [["builtins", "TypeError"]]}
-    assert run({"event": "ws", "site": "s"}, raised) == [("r", "builtins.TypeError")]
-    again = run({"event": "ws", "site": "s"}, {"event": "w", "site": "s", "n": 1})
-    assert again == [("n",)]
+    raised = {"event": "w", "site": "s", "a": [0, []], "r": [["builtins", "TypeError"]]}
+    assert run({"event": "ws", "site": "s"}, raised) == [("r", "0:", "builtins.TypeError")]
+    again = run({"event": "ws", "site": "s"}, {"event": "w", "site": "s", "a": [0, []], "n": 1})
+    assert again == [("n", "0:")]
     started_again = run(
         {"event": "ws", "site": "s"},
-        {"event": "w", "site": "s", "n": 1},
+        {"event": "w", "site": "s", "a": [0, []], "n": 1},
         {"event": "ws", "site": "s"},
         raised,
     )
-    assert started_again == [("?",), ("r", "builtins.TypeError")]
+    assert started_again == [("?",), ("r", "0:", "builtins.TypeError")]
+    # a record that does not say how the callable was called is a call nobody made
+    shapeless = {"event": "w", "site": "s", "r": [["builtins", "TypeError"]]}
+    assert run({"event": "ws", "site": "s"}, shapeless) == [("?",)]
     assert run() is None  # no watched call: nothing pinned
     read, write = os.pipe()
     emit = pytest_report.channel(b"key", write)

@@ -134,7 +134,9 @@ def main(key, bundle):
     report.PINS.extend((f"channel.emit.{n}", lambda c=c: c.cell_contents) for n, c in cells)
     if options.get("judge", True):
         operands = _load(bundle, "operands.py")
-        operands.install(emit, onward=options.get("onward", False))
+        operands.install(
+            emit, onward=options.get("onward", False), quiet=options.get("quiet", True)
+        )
         spaces, pins = operands.guarded()
         report.SPACES.extend(spaces)
         report.PINS.extend(pins)

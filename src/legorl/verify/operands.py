@@ -29,13 +29,16 @@ import builtins
 import contextlib
 import marshal
 import os
+import signal
 import sys
+import threading
 
 HELD = object()  # a stripped operand's place: the judge holds its value
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 _MAX_DEPTH = 40
 _emit: list = [None]  # the channel's writer, set by the bootstrap
 _onward = [False]  # the empty patch's run of a gold record: a failed assertion does not stop
+_quiet_on = [True]  # a watched call runs with no hook set before it (off: a control only)
 
 
 class NotPlain(Exception):
@@ -285,15 +288,107 @@ def _watch(site, fn):
         return fn
 
     def watched(*args, **kwargs):
+        # How the helper calls it goes out too (round 24: a helper that passes an argument
+        # the callable does not take gets a TypeError without running it), and what runs
+        # during the call is the callable alone: no trace, profile or monitoring hook and
+        # no signal handler set before it (round 24: a trace function raising the class the
+        # test expects when the callable starts) runs inside it.
+        shape = [len(args), sorted(k for k in kwargs if type(k) is str)]
+        hooks = _quiet(_GETFRAME(0)) if _quiet_on[0] else None
         try:
             out = fn(*args, **kwargs)
         except BaseException as exc:
-            _send({"event": "w", "site": site, "r": _class_names(type(exc))})
+            _loud(hooks)
+            _send({"event": "w", "site": site, "a": shape, "r": _class_names(type(exc))})
             raise
-        _send({"event": "w", "site": site, "n": 1})
+        _loud(hooks)
+        _send({"event": "w", "site": site, "a": shape, "n": 1})
         return out
 
     return watched
+
+
+_GETFRAME = sys._getframe
+_GETSIGNAL, _SIGNAL, _RAISE_SIGNAL = signal.getsignal, signal.signal, signal.raise_signal
+_SIGNALS = tuple(sorted(signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}))
+_CURRENT_THREAD, _MAIN_THREAD = threading.current_thread, threading.main_thread
+_GETTRACE, _SETTRACE = sys.gettrace, sys.settrace
+_GETPROFILE, _SETPROFILE = sys.getprofile, sys.setprofile
+_MONITORING = getattr(sys, "monitoring", None)  # Python 3.12+
+_EVENTS = (
+    ()
+    if _MONITORING is None
+    else tuple(
+        sorted(
+            {
+                v
+                for k, v in vars(_MONITORING.events).items()
+                if not k.startswith("_") and type(v) is int and v > 0 and v & (v - 1) == 0
+            }
+        )
+    )
+)
+
+
+def _defer(signum, frame):
+    _DEFERRED.append(signum)
+
+
+_DEFERRED: list = []
+
+
+def _quiet(frame):
+    """Clear every hook that could run code inside a watched call before the callable does:
+    the thread's trace and profile functions, the calling frame's own trace function, every
+    monitoring callback, and (in the main thread, the only one Python runs signal handlers
+    in) every signal handler, whose signals wait until the call is over; what ``_loud`` puts
+    back."""
+    trace, profile = _GETTRACE(), _GETPROFILE()
+    _SETTRACE(None)
+    _SETPROFILE(None)
+    local = frame.f_trace
+    frame.f_trace = None
+    handlers = []
+    if _CURRENT_THREAD() is _MAIN_THREAD():
+        for signum in _SIGNALS:
+            try:
+                old = _GETSIGNAL(signum)
+                if callable(old):
+                    _SIGNAL(signum, _defer)
+                    handlers.append((signum, old))
+            except (ValueError, OSError, TypeError):
+                continue
+    callbacks = []
+    if _MONITORING is not None:
+        for tool in range(6):
+            for event in _EVENTS:
+                try:
+                    old = _MONITORING.register_callback(tool, event, None)
+                except (ValueError, TypeError):
+                    continue
+                if old is not None:
+                    callbacks.append((tool, event, old))
+    return trace, profile, frame, local, callbacks, handlers
+
+
+def _loud(hooks):
+    if hooks is None:
+        return
+    trace, profile, frame, local, callbacks, handlers = hooks
+    for tool, event, old in callbacks:
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            _MONITORING.register_callback(tool, event, old)  # type: ignore[union-attr]
+    frame.f_trace = local
+    _SETPROFILE(profile)
+    _SETTRACE(trace)
+    for signum, old in handlers:
+        with contextlib.suppress(ValueError, OSError, TypeError):
+            _SIGNAL(signum, old)
+    came = list(dict.fromkeys(_DEFERRED))
+    _DEFERRED.clear()
+    for signum in came:  # delivered now, to the handlers put back
+        with contextlib.suppress(ValueError, OSError):
+            _RAISE_SIGNAL(signum)
 
 
 def adapt(site, op, *operands):
@@ -411,16 +506,21 @@ def guarded():
     the channel's writer."""
     space = globals()
     spaces = [("operands", space), ("__legorl__", builtins.__dict__.get("__legorl__"))]
-    return spaces, [("operands._emit", lambda: _emit[0])]
+    return spaces, [
+        ("operands._emit", lambda: _emit[0]),
+        ("operands._onward", lambda: _onward[0]),
+        ("operands._quiet_on", lambda: _quiet_on[0]),
+    ]
 
 
-def install(emit, onward=False):
+def install(emit, onward=False, quiet=True):
     """Make ``__legorl__`` reachable from the rewritten tests (as a builtin); ``onward``: the
-    empty patch's run of a gold record."""
+    empty patch's run of a gold record; ``quiet`` off: a control only (`_quiet`)."""
     import types
 
     _emit[0] = emit
     _onward[0] = bool(onward)
+    _quiet_on[0] = bool(quiet)
     names = (
         "HELD",
         "Held",
