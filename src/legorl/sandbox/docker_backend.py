@@ -32,7 +32,7 @@ import tarfile
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -223,7 +223,7 @@ class DockerSandbox:
         timeout: float = 600.0,
         env: dict[str, str] | None = None,
         cwd: str | None = None,
-        stdin: bytes | None = None,
+        stdin: bytes | Iterable[bytes] | None = None,
         on_output: Callable[[bytes], None] | None = None,
         output_limit: int | None = None,
         judged: bool = False,
@@ -299,7 +299,7 @@ class DockerSandbox:
     def _stream(
         self,
         exec_id: str,
-        stdin: bytes | None,
+        stdin: bytes | Iterable[bytes] | None,
         cap: OutputCap,
         on_output: Callable[[bytes], None] | None,
         hard_deadline: float,
@@ -308,7 +308,8 @@ class DockerSandbox:
         buf = bytearray(pending)
         try:
             if stdin is not None:
-                sock.sendall(stdin)
+                for chunk in [stdin] if isinstance(stdin, bytes) else stdin:
+                    sock.sendall(chunk)
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_WR)
             idle_since = time.monotonic()
@@ -589,21 +590,26 @@ class DockerSandbox:
 
         The archive API reads the container's image layers, below its tmpfs mounts, so it
         yields the pristine repository the tmpfs hides; tar, as root, keeps owners and modes.
+        The archive is spooled to a file first (the daemon holds the container while it
+        streams one, so a command in it would wait), and goes in from there in chunks.
         """
         import docker.errors
 
-        try:
-            stream, _ = self.api.get_archive(self.container_id, f"{WORKDIR}/.")
-            data = b"".join(stream)
-        except docker.errors.APIError as exc:
-            raise SandboxError(
-                f"sandbox {self.id}: cannot read the image's repository: {_short(exc)}"
-            ) from None
-        put = self.exec_sync(
-            ["sh", "-c", f"tar -x -C {WORKDIR} --strip-components=1 && test -d {WORKDIR}/.git"],
-            stdin=data,
-            timeout=120,
-        )
+        with tempfile.SpooledTemporaryFile(max_size=8 << 20, prefix="legorl-repo-") as spool:
+            try:
+                stream, _ = self.api.get_archive(self.container_id, f"{WORKDIR}/.")
+                for chunk in stream:
+                    spool.write(chunk)
+            except docker.errors.APIError as exc:
+                raise SandboxError(
+                    f"sandbox {self.id}: cannot read the image's repository: {_short(exc)}"
+                ) from None
+            spool.seek(0)
+            put = self.exec_sync(
+                ["sh", "-c", f"tar -x -C {WORKDIR} --strip-components=1 && test -d {WORKDIR}/.git"],
+                stdin=iter(lambda: spool.read(1 << 20), b""),
+                timeout=600,
+            )
         if put.exit_code != 0:
             raise SandboxError(
                 f"sandbox {self.id}: cannot copy the repository into {WORKDIR}: {_last(put.output)}"
