@@ -338,15 +338,17 @@ def test_what_a_tests_callable_did_is_pinned_not_its_helpers_verdict(tmp_path: P
         assert "callable" in verdicts[key].detail, (name, verdicts[key])
 
 
-def test_a_watched_call_runs_the_callable_alone_called_as_the_gold_runs_was(
+def test_a_truth_checks_callable_is_called_by_the_sender_first_with_no_hook_inside(
     tmp_path: Path,
 ) -> None:
-    # Round 24: the library's helper decides how the test's callable is called. It passed an
-    # argument the callable does not take (a TypeError, the class the test expects, without
-    # running it), or set a trace or profile function, or a signal handler, that raised the
-    # expected class as the callable started or ran; toolz's ``raises`` got 1.0 for a patch
-    # that broke the checked behaviour. The call's shape is pinned to the gold run's, and the
-    # callable runs with no hook set before it.
+    # Round 24: the library's helper decided how the test's callable was called: with an
+    # argument it does not take (a TypeError, the class the test expects, without running it),
+    # or under a trace function that raised the expected class as the callable started.
+    # Round 25: the helper sent the call's record itself and never called the callable, or
+    # swapped what the callable calls for one raising the expected class while it held it.
+    # The sender calls the callable first, before the helper runs, and hands the helper a
+    # stand-in. A hook the code under test sets at import (a trace or profile function, a
+    # signal handler) runs nothing inside that call.
     helper = (
         "def raises(err, fn):\n    try:\n        fn()\n        return False\n"
         "    except err:\n        return True\n"
@@ -365,60 +367,71 @@ def test_a_watched_call_runs_the_callable_alone_called_as_the_gold_runs_was(
     key = f"{TESTS}::test_area"
     verdicts, _ = _judge(tmp_path / "gold", gold, tests, gold)
     assert verdicts[key].outcome == "passed", verdicts[key]
-    hooked = (
+    # the helper rigs the callable's globals while it holds it
+    rigged = (
+        "def raises(err, fn):\n"
+        "    inner = fn\n"
+        "    while getattr(inner, '__closure__', None) and not hasattr(inner, '__globals__'):\n"
+        "        inner = inner.__closure__[0].cell_contents\n"
+        "    space = getattr(fn, '__globals__', {})\n"
+        "    def boom(*a, **k):\n        raise err('forged')\n"
+        "    real = space.get('area')\n"
+        "    space['area'] = boom\n"
+        "    try:\n        fn()\n        return False\n"
+        "    except err:\n        return True\n"
+        "    finally:\n        space['area'] = real\n"
+    )
+    # the helper sends the record the gold run sent and never calls the callable
+    sent = (
+        "import builtins\n"
+        "def raises(err, fn):\n"
+        "    ours = getattr(builtins, '__legorl__', None)\n"
+        "    if ours is not None:\n"
+        "        space = ours.watch_call.__globals__\n"
+        "        for cell in ours.watch_call.__code__.co_consts:\n"
+        "            pass\n"
+        "        site = sys_site()\n"
+        "        space['_send']({'event': 'w', 'site': site, 'r': space['_class_names'](err)})\n"
+        "    return True\n"
+        "def sys_site():\n"
+        "    import sys\n"
+        "    frame = sys._getframe(2)\n"
+        "    return frame.f_locals.get('site')\n"
+    )
+    # hooks the code under test sets at import: each raises the expected class inside the
+    # test's call of the code under test (the caller is the helper, or the sender)
+    at_import = (
         "import signal, sys\n"
-        "def raises(err, fn):\n"
-        "    code = getattr(fn, '__code__', None)\n"
-        "    def hook(frame, event, arg=None):\n"
-        "        if event == 'call' and frame.f_code is code:\n"
-        "            raise err('forged')\n"
-        "    ARM(hook)\n"
-        "    try:\n        fn()\n        return False\n"
-        "    except err:\n        return True\n"
-        "    finally:\n        DISARM\n"
+        "def _ours(frame):\n"
+        "    back = frame.f_back\n"
+        "    return (frame.f_code.co_name == '<lambda>' and 'test_lib' in frame.f_code.co_filename\n"
+        "            and back is not None and back.f_code.co_name != 'test_area')\n"
+        "def _hook(frame, event, arg=None):\n"
+        "    if event == 'call' and _ours(frame):\n"
+        "        raise TypeError('forged')\n"
+        "ARM\n"
     )
-    # The trace function gives the watched wrapper itself (and the lambda) a line tracer that
-    # raises there.
-    local = (
-        "import sys\n"
-        "def raises(err, fn):\n"
-        "    def line(frame, event, arg):\n"
-        "        if event == 'line':\n            raise err('forged')\n"
-        "        return line\n"
-        "    def hook(frame, event, arg):\n"
-        "        return line if frame.f_code.co_name in ('watched', '<lambda>') else None\n"
-        "    sys.settrace(hook)\n"
-        "    try:\n        fn()\n        return False\n"
-        "    except err:\n        return True\n"
-        "    finally:\n        sys.settrace(None)\n"
-    )
-    # A periodic timer whose handler raises once the code under test is running.
     timer = (
-        "import signal\n"
-        "def raises(err, fn):\n"
-        "    def handler(signum, frame):\n"
-        "        if frame is not None and frame.f_code.co_name == 'area':\n"
-        "            signal.setitimer(signal.ITIMER_REAL, 0)\n"
-        "            raise err('forged')\n"
-        "    old = signal.signal(signal.SIGALRM, handler)\n"
-        "    signal.setitimer(signal.ITIMER_REAL, 0.001, 0.001)\n"
-        "    try:\n        fn()\n        return False\n"
-        "    except err:\n        return True\n"
-        "    finally:\n"
+        "import atexit, signal\n"
+        "def _handler(signum, frame):\n"
+        "    if frame is not None and frame.f_code.co_name == 'area':\n"
         "        signal.setitimer(signal.ITIMER_REAL, 0)\n"
-        "        signal.signal(signal.SIGALRM, old)\n"
+        "        raise TypeError('forged')\n"
+        "atexit.register(signal.setitimer, signal.ITIMER_REAL, 0)\n"
+        "signal.signal(signal.SIGALRM, _handler)\n"
+        "signal.setitimer(signal.ITIMER_REAL, 0.001, 0.001)\n"
     )
     slow = GOLD.replace(
-        "    return", "    for _ in range(20_000_000 if w < 0 else 0):\n        pass\n    return"
+        "    return",
+        "    for _ in range(20_000_000 if w < 0 else 0):\n        pass\n    return",
     )
     for name, candidate in {
         "arity": helper.replace("fn()", "fn(None)") + GOLD,
-        "trace": hooked.replace("DISARM", "sys.settrace(None)").replace("ARM", "sys.settrace")
-        + GOLD,
-        "profile": hooked.replace("DISARM", "sys.setprofile(None)").replace("ARM", "sys.setprofile")
-        + GOLD,
-        "local": local + GOLD,
-        "signal": timer + slow,
+        "rigged": rigged + GOLD,
+        "sent": sent + GOLD,
+        "trace": helper + at_import.replace("ARM", "sys.settrace(_hook)") + GOLD,
+        "profile": helper + at_import.replace("ARM", "sys.setprofile(_hook)") + GOLD,
+        "signal": helper + timer + slow,
     }.items():
         repo = _repo(tmp_path / name / "plain", candidate, tests)
         plain = subprocess.run(
@@ -427,7 +440,7 @@ def test_a_watched_call_runs_the_callable_alone_called_as_the_gold_runs_was(
             capture_output=True,
             timeout=120,
         )
-        # the control: under plain pytest the helper's forgery holds
+        # the control: under plain pytest the forgery holds
         assert plain.returncode == 0, (name, plain.stdout.decode()[-2000:])
         verdicts, _ = _judge(tmp_path / name, candidate, tests, gold)
         assert verdicts[key].outcome == "failed", (name, verdicts[key])
@@ -457,7 +470,11 @@ def on_start(code, offset):
 M.register_callback(3, M.events.PY_START, on_start)
 M.set_events(3, M.events.PY_START)
 out = {}
-for name, call in (("bare", target), ("watched", op._watch("s", target)), ("after", target)):
+def called():
+    op._called("s", target)()
+
+
+for name, call in (("bare", target), ("watched", called), ("after", target)):
     try:
         call()
         out[name] = "returned"
@@ -487,7 +504,7 @@ def test_a_watched_call_runs_free_of_monitoring_callbacks() -> None:
     got = json.loads(done.stdout)
     # the control (bare) and the callback put back (after) raise; the watched call returns
     assert got["out"] == {"bare": "raised", "watched": "returned", "after": "raised"}, got
-    assert got["sent"] == [{"event": "w", "site": "s", "a": [0, []], "n": 1}], got
+    assert got["sent"] == [{"event": "w", "site": "s", "n": 1}], got
 
 
 def test_a_watched_call_started_again_and_a_replaced_encoder_count_for_nothing() -> None:
@@ -504,20 +521,17 @@ def test_a_watched_call_started_again_and_a_replaced_encoder_count_for_nothing()
         )
         return events["t"].events[0].calls
 
-    raised = {"event": "w", "site": "s", "a": [0, []], "r": [["builtins", "TypeError"]]}
-    assert run({"event": "ws", "site": "s"}, raised) == [("r", "0:", "builtins.TypeError")]
-    again = run({"event": "ws", "site": "s"}, {"event": "w", "site": "s", "a": [0, []], "n": 1})
-    assert again == [("n", "0:")]
+    raised = {"event": "w", "site": "s", "r": [["builtins", "TypeError"]]}
+    assert run({"event": "ws", "site": "s"}, raised) == [("r", "builtins.TypeError")]
+    again = run({"event": "ws", "site": "s"}, {"event": "w", "site": "s", "n": 1})
+    assert again == [("n",)]
     started_again = run(
         {"event": "ws", "site": "s"},
-        {"event": "w", "site": "s", "a": [0, []], "n": 1},
+        {"event": "w", "site": "s", "n": 1},
         {"event": "ws", "site": "s"},
         raised,
     )
-    assert started_again == [("?",), ("r", "0:", "builtins.TypeError")]
-    # a record that does not say how the callable was called is a call nobody made
-    shapeless = {"event": "w", "site": "s", "r": [["builtins", "TypeError"]]}
-    assert run({"event": "ws", "site": "s"}, shapeless) == [("?",)]
+    assert started_again == [("?",), ("r", "builtins.TypeError")]
     assert run() is None  # no watched call: nothing pinned
     read, write = os.pipe()
     emit = pytest_report.channel(b"key", write)

@@ -215,24 +215,12 @@ def _names(raw: Any) -> list[list[str]] | None:
 
 
 def _call(record: dict[str, Any]) -> tuple[str, ...]:
-    """A ``w`` record (`operands.watch_call`): ("n", shape) for a return, ("r", shape,
-    names…) for a raise, where shape is how the callable was called (its arguments' count and
-    keyword names); malformed reads as a call nobody made."""
-    shape = record.get("a")
-    if (
-        type(shape) is not list
-        or len(shape) != 2
-        or type(shape[0]) is not int
-        or type(shape[1]) is not list
-        or len(shape[1]) > 64
-        or not all(type(k) is str and len(k) <= 200 for k in shape[1])
-    ):
-        return ("?",)
-    how = f"{shape[0]}:{','.join(shape[1])}"
+    """A ``w`` record (`operands.watch_call`): ("n",) for a return, ("r", names…) for a raise;
+    malformed reads as a call nobody made."""
     if record.get("n") == 1 and "r" not in record:
-        return ("n", how)
+        return ("n",)
     names = _names(record.get("r"))
-    return ("?",) if names is None else ("r", how, *(f"{m}.{q}" for m, q in names))
+    return ("?",) if names is None else ("r", *(f"{m}.{q}" for m, q in names))
 
 
 def decode(record: dict[str, Any], budget: Budget | None = None) -> Event | None:
@@ -589,7 +577,6 @@ def judge_test(
     own_verdicts: bool = False,
     pin_in: bool = True,
     pin_calls: bool = True,
-    call_shapes: bool = True,
 ) -> Judgement:
     """One test's events against the gold record. ``own_verdicts``, ``pin_in``, ``pin_calls``
     off: controls only (the judged process's own verdict taken at any site; a membership's
@@ -622,7 +609,6 @@ def judge_test(
             own_verdicts=own_verdicts,
             pin_in=pin_in,
             pin_calls=pin_calls,
-            call_shapes=call_shapes,
         )
         if isinstance(failed, Judgement):
             return failed
@@ -643,7 +629,6 @@ def _event_failure(
     own_verdicts: bool = False,
     pin_in: bool = True,
     pin_calls: bool = True,
-    call_shapes: bool = True,
 ) -> Judgement | bool:
     """One event judged against its site and the gold record: the failure, or whether it was
     judged out of process (True) or in process (False). A computed operand of an equality, the
@@ -658,7 +643,7 @@ def _event_failure(
             "failed", detail=f"an assertion event from an unknown site {event.site[:80]}"
         )
     pinned_calls = gold.calls(key, index) if expected is not None and pin_calls else None
-    if pinned_calls is not None and not _calls_match(event.calls, pinned_calls, call_shapes):
+    if pinned_calls is not None and not _calls_match(event.calls, pinned_calls):
         return Judgement(
             "failed", detail=f"{site.id}: the test's callable did not do what it did for gold"
         )
@@ -732,23 +717,13 @@ def _event_failure(
     return site.counted
 
 
-def _calls_match(
-    got: list[tuple[str, ...]] | None, gold: list[tuple[str, ...]], shapes: bool = True
-) -> bool:
-    """Each call of the test's callables was called as the gold run's was, and returned where
-    it returned, and raised where it raised, an instance of the class it raised
-    (`operands.watch_call`)."""
+def _calls_match(got: list[tuple[str, ...]] | None, gold: list[tuple[str, ...]]) -> bool:
+    """Each call of the test's callables returned where the gold run's returned, and raised
+    where it raised, an instance of the class it raised (`operands.watch_call`)."""
     if got is None or len(got) != len(gold):
         return False
-    if not shapes:  # a control only: how each was called not compared
-        got = [g[:1] + g[2:] if len(g) > 1 else g for g in got]
-        gold = [w[:1] + w[2:] if len(w) > 1 else w for w in gold]
-        return all(
-            g == w if w[:1] == ("n",) else (g[:1] == ("r",) and len(w) > 1 and w[1] in g[1:])
-            for g, w in zip(got, gold, strict=True)
-        )
     return all(
-        g == w if w[:1] == ("n",) else (g[:2] == w[:2] and len(w) > 2 and w[2] in g[2:])
+        g == w if w == ("n",) else (g[:1] == ("r",) and len(w) > 1 and w[1] in g[1:])
         for g, w in zip(got, gold, strict=True)
     )
 

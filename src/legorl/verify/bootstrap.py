@@ -135,7 +135,7 @@ def main(key, bundle):
     if options.get("judge", True):
         operands = _load(bundle, "operands.py")
         operands.install(
-            emit, onward=options.get("onward", False), quiet=options.get("quiet", True)
+            emit, onward=options.get("onward", False), own_call=options.get("own_call", True)
         )
         spaces, pins = operands.guarded()
         report.SPACES.extend(spaces)

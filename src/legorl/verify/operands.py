@@ -38,7 +38,7 @@ _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 _MAX_DEPTH = 40
 _emit: list = [None]  # the channel's writer, set by the bootstrap
 _onward = [False]  # the empty patch's run of a gold record: a failed assertion does not stop
-_quiet_on = [True]  # a watched call runs with no hook set before it (off: a control only)
+_own_call = [True]  # a truth check's callable called here first (off: a control only)
 
 
 class NotPlain(Exception):
@@ -261,17 +261,47 @@ def check(site, *operands):
 
 def watch_call(site, fn, args, kwargs):
     """A truth check's call (``assert raises(E, lambda: …)``): where it is handed an exception
-    class and a callable, what each callable it is handed does when called (raised, and which
-    class, or returned) goes out as it happens (a record once sent cannot be unsent), and the
-    judge pins it to the gold run's. The call's own verdict is code the patch can change (the
-    helper may be the library's); what the test's callable did is a result (round 16; round
-    17: a callable that is not a lambda)."""
+    class, each callable it is handed is called here first, with no arguments, before the
+    helper gets control, and what it did (raised, and which class, or returned) goes out; the
+    judge pins it to the gold run's. The helper gets a stand-in that answers what the call did,
+    as often as it is called. The helper is code the patch can change (the library's own):
+    neither its verdict, nor how it calls the callable, nor anything it sets up around the
+    call decides what the callable did (round 16; round 17: a callable that is not a lambda;
+    round 25: a helper that sent the record itself, and one that rigged what the callable
+    calls while holding it)."""
     if not any(_error_classes(v) for v in (*args, *kwargs.values())):
         return fn(*args, **kwargs)
     _send({"event": "ws", "site": site})
-    args = tuple(_watch(site, a) for a in args)
-    kwargs = {k: _watch(site, v) for k, v in kwargs.items()}
+    made = _called if _own_call[0] else _watch
+    args = tuple(made(site, a) for a in args)
+    kwargs = {k: made(site, v) for k, v in kwargs.items()}
     return fn(*args, **kwargs)
+
+
+def _called(site, fn):
+    """``fn`` called now, with no hook set before it running inside the call (round 24), and
+    its stand-in."""
+    if isinstance(fn, type) or not callable(fn):
+        return fn
+    hooks = _quiet(_GETFRAME(0))
+    try:
+        out = fn()
+    except BaseException as exc:
+        _loud(hooks)
+        _send({"event": "w", "site": site, "r": _class_names(type(exc))})
+        raised = exc
+
+        def again(*args, **kwargs):
+            raise raised
+
+        return again
+    _loud(hooks)
+    _send({"event": "w", "site": site, "n": 1})
+
+    def returned(*args, **kwargs):
+        return out
+
+    return returned
 
 
 def _error_classes(value):
@@ -284,25 +314,17 @@ def _error_classes(value):
 
 
 def _watch(site, fn):
+    """The helper's own call of ``fn`` watched (``own_call`` off: a control only)."""
     if isinstance(fn, type) or not callable(fn):
         return fn
 
     def watched(*args, **kwargs):
-        # How the helper calls it goes out too (round 24: a helper that passes an argument
-        # the callable does not take gets a TypeError without running it), and what runs
-        # during the call is the callable alone: no trace, profile or monitoring hook and
-        # no signal handler set before it (round 24: a trace function raising the class the
-        # test expects when the callable starts) runs inside it.
-        shape = [len(args), sorted(k for k in kwargs if type(k) is str)]
-        hooks = _quiet(_GETFRAME(0)) if _quiet_on[0] else None
         try:
             out = fn(*args, **kwargs)
         except BaseException as exc:
-            _loud(hooks)
-            _send({"event": "w", "site": site, "a": shape, "r": _class_names(type(exc))})
+            _send({"event": "w", "site": site, "r": _class_names(type(exc))})
             raise
-        _loud(hooks)
-        _send({"event": "w", "site": site, "a": shape, "n": 1})
+        _send({"event": "w", "site": site, "n": 1})
         return out
 
     return watched
@@ -509,18 +531,18 @@ def guarded():
     return spaces, [
         ("operands._emit", lambda: _emit[0]),
         ("operands._onward", lambda: _onward[0]),
-        ("operands._quiet_on", lambda: _quiet_on[0]),
+        ("operands._own_call", lambda: _own_call[0]),
     ]
 
 
-def install(emit, onward=False, quiet=True):
+def install(emit, onward=False, own_call=True):
     """Make ``__legorl__`` reachable from the rewritten tests (as a builtin); ``onward``: the
-    empty patch's run of a gold record; ``quiet`` off: a control only (`_quiet`)."""
+    empty patch's run of a gold record; ``own_call`` off: a control only (`watch_call`)."""
     import types
 
     _emit[0] = emit
     _onward[0] = bool(onward)
-    _quiet_on[0] = bool(quiet)
+    _own_call[0] = bool(own_call)
     names = (
         "HELD",
         "Held",

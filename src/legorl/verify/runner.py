@@ -28,8 +28,9 @@ gold run's), ``onward`` (off: the gold record's run of the empty patch stops a t
 failed assertion, and the judge counts every later one as a secret whole), ``pinned_calls``
 (off: what the callables a test hands its truth check's call did, raised or returned, need not
 be what they did in the gold run), ``paired_tests`` (off: a test's end record need not carry
-its begin's token), ``quiet_calls`` (off: a watched call runs under whatever trace, profile,
-monitoring or signal hooks were set before it, and how it was called is not compared).
+its begin's token), ``own_call`` (off: the callable a truth check's call is handed beside an
+exception class is watched while the helper calls it, as the helper likes, instead of called
+first by the sender).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ DEFENCES = frozenset(
         "onward",
         "pinned_calls",
         "paired_tests",
-        "quiet_calls",
+        "own_call",
     }
 )
 _EXTRA = ["-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", "."]
@@ -215,7 +216,7 @@ async def run_tests(
             "log": log,
             "judge": "judge_assertions" not in off,
             "onward": onward and "onward" not in off,
-            "quiet": "quiet_calls" not in off,
+            "own_call": "own_call" not in off,
         }
     )
     if "isolated_runner" in off and grader.kind == "pytest":
@@ -471,7 +472,6 @@ def _judge_assertions(
             own_verdicts="own_verdicts" in off,
             pin_in="pinned_containers" not in off,
             pin_calls="pinned_calls" not in off,
-            call_shapes="quiet_calls" not in off,
         )
         counts[group][0] += verdict.judged_out
         counts[group][1] += verdict.judged_out + verdict.judged_in
