@@ -346,6 +346,7 @@ def test_a_truth_checks_callable_is_called_by_the_sender_first_with_no_hook_insi
     # or under a trace function that raised the expected class as the callable started.
     # Round 25: the helper sent the call's record itself and never called the callable, or
     # swapped what the callable calls for one raising the expected class while it held it.
+    # Round 26: the code under test rebound a builtin the sender looked up by name.
     # The sender calls the callable first, before the helper runs, and hands the helper a
     # stand-in. A hook the code under test sets at import (a trace or profile function, a
     # signal handler) runs nothing inside that call.
@@ -398,6 +399,24 @@ def test_a_truth_checks_callable_is_called_by_the_sender_first_with_no_hook_insi
         "    frame = sys._getframe(2)\n"
         "    return frame.f_locals.get('site')\n"
     )
+    # round 26: the code under test rebinds builtins.callable so that the sender takes the
+    # test's lambda for no callable (and calls nothing), and the helper sends the record
+    swapped = (
+        "import builtins, sys\n"
+        "_real = builtins.callable\n"
+        "def _callable(x):\n"
+        "    if sys._getframe(1).f_code.co_name == '_called':\n"
+        "        return False\n"
+        "    return _real(x)\n"
+        "builtins.callable = _callable\n"
+        "def raises(err, fn):\n"
+        "    ours = getattr(builtins, '__legorl__', None)\n"
+        "    if ours is not None:\n"
+        "        site = sys._getframe(1).f_locals.get('site')\n"
+        "        space = ours.watch_call.__globals__\n"
+        "        space['_send']({'event': 'w', 'site': site, 'r': space['_class_names'](err)})\n"
+        "    return True\n"
+    )
     # hooks the code under test sets at import: each raises the expected class inside the
     # test's call of the code under test (the caller is the helper, or the sender)
     at_import = (
@@ -429,6 +448,7 @@ def test_a_truth_checks_callable_is_called_by_the_sender_first_with_no_hook_insi
         "arity": helper.replace("fn()", "fn(None)") + GOLD,
         "rigged": rigged + GOLD,
         "sent": sent + GOLD,
+        "callable": swapped + GOLD,
         "trace": helper + at_import.replace("ARM", "sys.settrace(_hook)") + GOLD,
         "profile": helper + at_import.replace("ARM", "sys.setprofile(_hook)") + GOLD,
         "signal": helper + timer + slow,

@@ -12,7 +12,8 @@ source}, "options": {...}}``) and runs this module's ``main`` with them. Options
 expected failure counts as passed: a control only), ``watch`` (the test ids whose outcomes are
 recorded one by one; the others are only counted), ``log`` (where the run's own stdout and
 stderr go), ``judge`` (install the operand sender of `operands.py` as ``__legorl__``),
-``onward`` (the empty patch's run of a gold record: a failed assertion does not stop its test).
+``onward`` (the empty patch's run of a gold record: a failed assertion does not stop its test),
+``own_builtins`` (off: the grader's modules look names up in the shared builtins; a control).
 
 ``-I`` keeps the working and script directories off ``sys.path`` and ignores ``PYTHON*``. The
 record stream goes to a duplicate of the original stdout, signed and chained
@@ -31,11 +32,19 @@ import os
 import secrets
 import sys
 
+#: The builtins the grader's code looks names up in: the loader's private copy, taken before
+#: any repository code ran, so code under test that rebinds ``builtins.callable`` (round 26:
+#: the sender then skipped the test's callable) or ``builtins.list`` changes nothing here; the
+#: integrity guard pins every entry.
+_FOUND = globals()["__builtins__"]
+_BUILTINS: dict = _FOUND if type(_FOUND) is dict else vars(_FOUND)
+
 
 def _load(bundle, name):
-    """A grader module from the bundle, under a random module name."""
+    """A grader module from the bundle, under a random module name, on the private builtins."""
     module = type(sys)("_legorl_" + secrets.token_hex(8))
     module.__file__ = "<legorl>"
+    module.__dict__["__builtins__"] = _BUILTINS
     exec(compile(bundle["modules"][name], f"<legorl {name}>", "exec"), module.__dict__)
     return module
 
@@ -107,6 +116,10 @@ def _script(args, repo):
 
 
 def main(key, bundle):
+    global _BUILTINS
+    own = bundle.get("options", {}).get("own_builtins", True)
+    if not own:
+        _BUILTINS = vars(sys.modules["builtins"])  # a control only: the shared builtins
     report = _load(bundle, "pytest_report.py")
     mode = sys.argv[1]
     split = sys.argv.index("--")
@@ -132,6 +145,8 @@ def main(key, bundle):
     # when it was made).
     cells = zip(emit.__code__.co_freevars, emit.__closure__ or (), strict=True)
     report.PINS.extend((f"channel.emit.{n}", lambda c=c: c.cell_contents) for n, c in cells)
+    if own:
+        report.PINS.extend((f"builtins.{n}", lambda n=n: _BUILTINS.get(n)) for n in list(_BUILTINS))
     if options.get("judge", True):
         operands = _load(bundle, "operands.py")
         operands.install(

@@ -30,7 +30,8 @@ failed assertion, and the judge counts every later one as a secret whole), ``pin
 be what they did in the gold run), ``paired_tests`` (off: a test's end record need not carry
 its begin's token), ``own_call`` (off: the callable a truth check's call is handed beside an
 exception class is watched while the helper calls it, as the helper likes, instead of called
-first by the sender).
+first by the sender), ``own_builtins`` (off: the grader's modules in the judged process look
+names up in the builtins the code under test can rebind, not a private copy).
 """
 
 from __future__ import annotations
@@ -73,17 +74,19 @@ DEFENCES = frozenset(
         "pinned_calls",
         "paired_tests",
         "own_call",
+        "own_builtins",
     }
 )
 _EXTRA = ["-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", "."]
 #: The grader modules the judged run gets on stdin.
 BUNDLE = ("bootstrap.py", "pytest_report.py", "unittest_report.py", "audit.py", "operands.py")
-#: Reads the key and the bundle from stdin, then runs the bootstrap from memory.
+#: Reads the key and the bundle from stdin, then runs the bootstrap from memory, with a private
+#: copy of the builtins taken before any repository code runs (`bootstrap._load`).
 LOADER = (
     "import sys, json\n"
     "key = sys.stdin.buffer.readline().strip()\n"
     "bundle = json.loads(sys.stdin.buffer.read())\n"
-    "space = {'__name__': '_legorl_boot'}\n"
+    "space = {'__name__': '_legorl_boot', '__builtins__': dict(vars(__import__('builtins')))}\n"
     "exec(compile(bundle['modules']['bootstrap.py'], '<legorl bootstrap.py>', 'exec'), space)\n"
     "space['main'](key, bundle)\n"
 )
@@ -217,6 +220,7 @@ async def run_tests(
             "judge": "judge_assertions" not in off,
             "onward": onward and "onward" not in off,
             "own_call": "own_call" not in off,
+            "own_builtins": "own_builtins" not in off,
         }
     )
     if "isolated_runner" in off and grader.kind == "pytest":
