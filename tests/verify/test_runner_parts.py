@@ -590,6 +590,15 @@ def test_a_tests_record_ends_only_with_its_begins_token() -> None:
     assert run(*diverted).exc == "another test began inside it"
     same_key = [{"event": "tb", "key": "t", "n": "y"}, {"event": "te", "exc": None, "n": "y"}]
     assert run(*same_key).exc is None  # a test that calls another runs under its own key
+    # Round 27: a begin and end under the open test's key sent between a check's watched call
+    # and its event, then the record of the call the gold run made, in place of the real one.
+    check = {"event": "a", "site": "w", "v": []}
+    real = [{"event": "ws", "site": "w"}, {"event": "w", "site": "w", "n": 1}]
+    forged = [{"event": "ws", "site": "w"}, {"event": "w", "site": "w", "r": [["builtins", "E"]]}]
+    dropped = run(*real, *same_key, *forged, check)
+    assert dropped.events[-1].calls == [("?",), ("r", "builtins.E")]  # a call nobody made
+    control = run(*real, *same_key, *forged, check, paired=False)
+    assert control.events[-1].calls == [("r", "builtins.E")]  # the forged call alone
 
 
 def test_the_runs_log_is_read_only_as_a_regular_file_and_never_waited_on(tmp_path: Path) -> None:
