@@ -599,6 +599,11 @@ def test_a_tests_record_ends_only_with_its_begins_token() -> None:
     assert dropped.events[-1].calls == [("?",), ("r", "builtins.E")]  # a call nobody made
     control = run(*real, *same_key, *forged, check, paired=False)
     assert control.events[-1].calls == [("r", "builtins.E")]  # the forged call alone
+    # Round 28: the begin's token guessed (its source replaced), an end sent from inside the
+    # test before the assertion it was in was done, that assertion sent with the gold value.
+    early = [{"event": "te", "exc": None, "n": "tok"}, {"event": "a", "site": "s2", "v": []}]
+    assert run(*early).exc == "an assertion's event came after the test ended"
+    assert run(*early, paired=False).exc is None  # the control: the real event dropped
 
 
 def test_the_runs_log_is_read_only_as_a_regular_file_and_never_waited_on(tmp_path: Path) -> None:

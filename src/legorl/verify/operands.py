@@ -522,13 +522,17 @@ class test:
 
 
 def guarded():
-    """For the runner's integrity guard (`pytest_report.Guard`): this module's functions and
-    classes and the ``__legorl__`` namespace, which must stay what they were (round 17: the
+    """For the runner's integrity guard (`pytest_report.Guard`): this module's names, functions
+    and classes and the ``__legorl__`` namespace, which must stay what they were (round 17: the
     code under test replaced ``raises.__exit__`` to send the class the test asked for), and
     the channel's writer."""
     space = globals()
     spaces = [("operands", space), ("__legorl__", builtins.__dict__.get("__legorl__"))]
+    # Every name of this module stays the object it was, whatever its kind (round 28: the
+    # token source, a builtin function, replaced for tokens the code under test could guess).
+    every = [(f"operands.{n}", lambda n=n: space.get(n)) for n in list(space)]
     return spaces, [
+        *every,
         ("operands._emit", lambda: _emit[0]),
         ("operands._onward", lambda: _onward[0]),
         ("operands._own_call", lambda: _own_call[0]),
