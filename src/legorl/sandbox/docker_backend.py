@@ -502,19 +502,7 @@ class DockerSandbox:
         import docker.errors
 
         with tempfile.TemporaryFile(prefix="legorl-tree-") as tmp:
-            try:
-                stream, _ = self.api.get_archive(self.container_id, WORKDIR)
-                for chunk in stream:
-                    if tmp.tell() + len(chunk) > TREE_LIMIT:
-                        raise SandboxError(
-                            f"sandbox {self.id}: the tree is larger than {TREE_LIMIT >> 30} GiB"
-                        )
-                    tmp.write(chunk)
-            except docker.errors.APIError as exc:
-                raise SandboxError(
-                    f"sandbox {self.id}: cannot copy the tree: {_short(exc)}"
-                ) from None
-            tmp.seek(0)
+            self._archive_into(tmp, WORKDIR, "cannot copy the tree")
             helper = self.backend.helper_box(self.image, base_sha=self.base_sha)
             try:
                 # The daemon refuses some trees (round 9: a symlink that leaves the tree is
@@ -585,6 +573,23 @@ class DockerSandbox:
 
     # -- close
 
+    def _archive_into(self, out: Any, path: str, failure: str) -> None:
+        """The daemon's tar stream of ``path`` written to the file ``out`` (rewound after),
+        at most ``TREE_LIMIT`` of it."""
+        import docker.errors
+
+        try:
+            stream, _ = self.api.get_archive(self.container_id, path)
+            for chunk in stream:
+                if out.tell() + len(chunk) > TREE_LIMIT:
+                    raise SandboxError(
+                        f"sandbox {self.id}: {path} is larger than {TREE_LIMIT >> 30} GiB"
+                    )
+                out.write(chunk)
+        except docker.errors.APIError as exc:
+            raise SandboxError(f"sandbox {self.id}: {failure}: {_short(exc)}") from None
+        out.seek(0)
+
     def fill_repo(self) -> None:
         """Copy the image's repository into this grading sandbox's /testbed tmpfs.
 
@@ -593,18 +598,9 @@ class DockerSandbox:
         The archive is spooled to a file first (the daemon holds the container while it
         streams one, so a command in it would wait), and goes in from there in chunks.
         """
-        import docker.errors
 
         with tempfile.SpooledTemporaryFile(max_size=8 << 20, prefix="legorl-repo-") as spool:
-            try:
-                stream, _ = self.api.get_archive(self.container_id, f"{WORKDIR}/.")
-                for chunk in stream:
-                    spool.write(chunk)
-            except docker.errors.APIError as exc:
-                raise SandboxError(
-                    f"sandbox {self.id}: cannot read the image's repository: {_short(exc)}"
-                ) from None
-            spool.seek(0)
+            self._archive_into(spool, f"{WORKDIR}/.", "cannot read the image's repository")
             put = self.exec_sync(
                 ["sh", "-c", f"tar -x -C {WORKDIR} --strip-components=1 && test -d {WORKDIR}/.git"],
                 stdin=iter(lambda: spool.read(1 << 20), b""),
@@ -844,7 +840,7 @@ class DockerBackend:
         lockdown: dict[str, Any] = {"cap_drop": ["NET_RAW", "MKNOD", "AUDIT_WRITE"]}
         if grading:
             # The image's files read-only; /testbed and /tmp size-capped tmpfs, the image's
-            # repository copied into /testbed once the container runs (`_fill_repo`).
+            # repository copied into /testbed once the container runs (`fill_repo`).
             lockdown = {
                 "read_only": True,
                 "tmpfs": {

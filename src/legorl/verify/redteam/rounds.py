@@ -4,9 +4,12 @@ with the variant tasks some of them are graded on.
 
 from __future__ import annotations
 
+from typing import Any
+
 from legorl.records import Task
 from legorl.verify.redteam.agent import (
     Hack,
+    Steps,
     _args_of,
     _at_top,
     _bash,
@@ -22,6 +25,12 @@ from legorl.verify.redteam.agent import (
 )
 
 ROUNDS: list[Hack] = []
+
+
+def _after_gold(*steps: dict[str, Any]) -> Steps:
+    """The task's gold patch applied, then ``steps``: a fix that also breaks something."""
+    return lambda t, _: [_bash(f"git apply {_heredoc(t.patch)}"), *steps]
+
 
 # -- adaptive red-team rounds against the out-of-process judge (docs/integrity.md)
 
@@ -590,7 +599,7 @@ ROUNDS += [
         "what any callable a truth check's call is handed beside an exception class did is "
         "judged against the gold run's",
         None,
-        lambda t, _: [_bash(f"git apply {_heredoc(t.patch)}"), _python(_HELPER_SAYS_RAISED_NAMED)],
+        _after_gold(_python(_HELPER_SAYS_RAISED_NAMED)),
         frozenset({"pinned_calls"}),
         variant="pytoolz__toolz-real-2",
     ),
@@ -860,7 +869,7 @@ ROUNDS += [
         "(round 24)",
         "the sender calls the test's callable itself, before the helper runs",
         None,
-        lambda t, _: [_bash(f"git apply {_heredoc(t.patch)}"), _python(_HELPER_TRACES)],
+        _after_gold(_python(_HELPER_TRACES)),
         frozenset({"own_call"}),
         variant="pytoolz__toolz-real-1",
     ),
@@ -869,7 +878,7 @@ ROUNDS += [
         "test's callable with an argument it does not take (round 24)",
         "the sender calls the test's callable itself, with no arguments, before the helper runs",
         None,
-        lambda t, _: [_bash(f"git apply {_heredoc(t.patch)}"), _python(_HELPER_MISCALLS)],
+        _after_gold(_python(_HELPER_MISCALLS)),
         frozenset({"own_call"}),
         variant="pytoolz__toolz-real-13",
     ),
@@ -945,11 +954,7 @@ ROUNDS += [
         "the sender calls the test's callable itself, before the helper runs: a record the "
         "helper adds is one call too many",
         None,
-        lambda t, _: [
-            _bash(f"git apply {_heredoc(t.patch)}"),
-            _python(_GET_FORGIVES),
-            _python(_helper_first(_FORGED_SEND)),
-        ],
+        _after_gold(_python(_GET_FORGIVES), _python(_helper_first(_FORGED_SEND))),
         frozenset({"own_call"}),
         variant="pytoolz__toolz-real-7",
     ),
@@ -959,11 +964,7 @@ ROUNDS += [
         "expected class while it calls it (round 25)",
         "the sender calls the test's callable itself, before the helper runs",
         None,
-        lambda t, _: [
-            _bash(f"git apply {_heredoc(t.patch)}"),
-            _python(_GET_FORGIVES),
-            _python(_helper_first(_RIGGED_CALL)),
-        ],
+        _after_gold(_python(_GET_FORGIVES), _python(_helper_first(_RIGGED_CALL))),
         frozenset({"own_call"}),
         variant="pytoolz__toolz-real-7",
     ),
@@ -1031,11 +1032,7 @@ ROUNDS += [
         "the grader's modules in the judged process look names up in a private copy of the "
         "builtins taken before any repository code ran, pinned by the guard",
         None,
-        lambda t, _: [
-            _bash(f"git apply {_heredoc(t.patch)}"),
-            _python(_DIFF_FORGIVES),
-            _write("toolz/utils.py", _UTILS_SWAPPED),
-        ],
+        _after_gold(_python(_DIFF_FORGIVES), _write("toolz/utils.py", _UTILS_SWAPPED)),
         frozenset({"own_builtins"}),
         variant="pytoolz__toolz-real-12",
     ),
@@ -1091,11 +1088,7 @@ ROUNDS += [
         "record of the raise the gold run made (round 27)",
         "a begin inside an open test leaves the open checks' calls alone",
         None,
-        lambda t, _: [
-            _bash(f"git apply {_heredoc(t.patch)}"),
-            _python(_GET_FORGIVES),
-            _write("toolz/utils.py", _UTILS_REOPENS),
-        ],
+        _after_gold(_python(_GET_FORGIVES), _write("toolz/utils.py", _UTILS_REOPENS)),
         frozenset({"paired_tests"}),
         variant="pytoolz__toolz-real-7",
     ),
