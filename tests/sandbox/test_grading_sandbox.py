@@ -291,14 +291,17 @@ def test_what_a_judged_command_writes_is_capped_in_memory_not_on_disk(
     backend: Any, grading: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A judged command filling /testbed or /tmp fills a size-capped tmpfs its sandbox is
-    # charged for, never the disk the judge and the other gradings share. The caps are made
-    # small here; the control is a rollout sandbox, whose repository is on disk.
+    # charged for, never the disk the judge and the other gradings share, nor its inodes. The
+    # caps are made small here; the control is a rollout sandbox, whose repository is on disk.
     from legorl.sandbox import docker_backend, local_backend
 
     monkeypatch.setattr(docker_backend, "GRADING_REPO_MB", 24)
     monkeypatch.setattr(docker_backend, "GRADING_TMP_MB", 8)
     monkeypatch.setattr(local_backend, "GRADING_REPO_MB", 24)
     monkeypatch.setattr(local_backend, "GRADING_TMP_MB", 8)
+    for module in (docker_backend, local_backend):  # and their inode caps (round 30)
+        monkeypatch.setattr(module, "GRADING_REPO_INODES", 2_000)
+        monkeypatch.setattr(module, "GRADING_TMP_INODES", 500)
 
     async def go() -> tuple[str, str, str]:
         box = await _start(backend, grading=grading)
@@ -309,7 +312,9 @@ def test_what_a_judged_command_writes_is_capped_in_memory_not_on_disk(
                 )
             fill = (
                 "head -c 64M /dev/zero > fill; echo rc=$?; wc -c < fill; "
-                'head -c 64M /dev/zero > "$TMPDIR/fill"; echo tmp=$?'
+                'head -c 64M /dev/zero > "$TMPDIR/fill"; echo tmp=$?; rm -f fill; '
+                "mkdir many && i=0; while [ $i -lt 5000 ]; do printf '' 2>/dev/null > many/$i || break; "
+                "i=$((i+1)); done; echo files=$i"
             )
             r = await box.exec(["sh", "-c", fill], judged=grading, timeout=120)
             kinds = await box.exec(["sh", "-c", f"stat -f -c %T {box.workdir} /tmp"], timeout=30)
@@ -320,9 +325,11 @@ def test_what_a_judged_command_writes_is_capped_in_memory_not_on_disk(
 
     out, kinds, root = run(go())
     lines = out.split()
-    if not grading:  # the control: 64 MiB written whole, on disk
-        assert "rc=0" in lines and "67108864" in lines, out
+    if not grading:  # the control: 64 MiB written whole, on disk, and 5,000 files
+        assert "rc=0" in lines and "67108864" in lines and "files=5000" in lines, out
         return
+    files = int(next(x for x in lines if x.startswith("files="))[6:])
+    assert files < 2_000 + (500 if backend.name == "local" else 0), out
     assert "rc=1" in lines and "No space left" in out, out
     written = int(next(x for x in lines if x.isdigit()))
     assert written <= (24 if backend.name == "docker" else 24 + 8) << 20, written  # local: one

@@ -11,7 +11,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-from conftest import grade_toy, toy_task
+from conftest import grade_toy, sandbox_backend, toy_task
 
 from legorl.verify.ordinary import LINE, read_pytest, read_unittest
 
@@ -75,3 +75,62 @@ def test_unittest_lines_read_as_outcomes() -> None:
     a, b, c = "test_a (m.T.test_a)", "test_b (m.T.test_b)", "test_c (m.T.test_c)"
     log = f"{a} ... ok\n{b} ... FAIL\n{c} ... ok\n{c} ... ERROR\nnoise ... ok\n"
     assert read_unittest(log, {a, b, c}) == {a: "passed", b: "failed", c: "error"}
+
+
+#: The gold fix, made only where the run cannot write outside the repository and /tmp, nor past
+#: their caps (round 30: a correct fix that filled the host's disk from the ordinary run, whose
+#: root was writable): a pass is the proof that both runs' writes were capped.
+FIX_WHERE_CAPPED = textwrap.dedent(
+    """\
+    diff --git a/geometry.py b/geometry.py
+    --- a/geometry.py
+    +++ b/geometry.py
+    @@ -6,2 +6,18 @@ def rectangle_area(width, height):
+         \"\"\"Return the area of a width x height rectangle.\"\"\"
+    +    import os
+    +    for path in ("/var/tmp/legorl-fill", "/legorl-fill"):
+    +        try:
+    +            with open(path, "wb") as fh:
+    +                fh.write(b"x")
+    +            return width + height  # the root is writable
+    +        except OSError:
+    +            pass
+    +    for folder in (".", "/tmp"):
+    +        try:
+    +            with open(os.path.join(folder, "legorl-fill"), "wb") as fh:
+    +                fh.write(bytes(40 << 20))
+    +            return width + height  # past the caps
+    +        except OSError:
+    +            pass
+    +    return width * height
+         return width + height
+    """
+)
+
+
+@pytest.mark.parametrize("backend", ["docker", "local"])
+def test_the_ordinary_runs_writes_are_capped_off_the_hosts_disk(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The caps made small: 24 MiB for the repository, 8 MiB for /tmp (local: one folder of 32).
+    from legorl.sandbox import docker_backend, local_backend
+
+    for module in (docker_backend, local_backend):
+        monkeypatch.setattr(module, "GRADING_REPO_MB", 24)
+        monkeypatch.setattr(module, "GRADING_TMP_MB", 8)
+    got = grade_toy(FIX_WHERE_CAPPED, backend=backend)
+    assert got.reward == 1.0, got.verdict
+    assert got.verdict["ordinary"] == {"exit_code": 0, "timed_out": False}
+    # The control: the same ordinary run in a rollout sandbox (its root writable, its
+    # repository on disk) writes where it likes, and the fix is not made there.
+    real = type(sandbox_backend(backend)).start
+
+    async def rollout_storage(self, *args, **kw):  # type: ignore[no-untyped-def]
+        if str(kw.get("run_id", "")).endswith("-ordinary"):
+            kw["grading"] = False
+        return await real(self, *args, **kw)
+
+    monkeypatch.setattr(type(sandbox_backend(backend)), "start", rollout_storage)
+    control = grade_toy(FIX_WHERE_CAPPED, backend=backend)
+    assert control.reward == 0.0, control.verdict
+    assert "ordinary_failed" in control.hack_flags

@@ -46,6 +46,10 @@ GRADING_TMP_MB = 512
 #: that what a judged command writes there is held in memory its sandbox is charged for, never
 #: on the disk the judge and the other gradings share.
 GRADING_REPO_MB = 1024
+#: The inode caps of those two tmpfs mounts: a file costs kernel memory however small, and a
+#: repository of SWE-bench's has a few thousand to some tens of thousands of them.
+GRADING_TMP_INODES = 65_536
+GRADING_REPO_INODES = 262_144
 #: The capabilities root keeps in a grading sandbox, for its own grading steps (git apply, the
 #: chown before the judged run, writing into the judged user's tree); judged commands hold none.
 GRADING_CAPS = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL")

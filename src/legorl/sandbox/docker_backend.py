@@ -41,7 +41,9 @@ from legorl.sandbox import cgroups, tree_probe
 from legorl.sandbox.common import (
     BASE_PATH,
     GRADING_CAPS,
+    GRADING_REPO_INODES,
     GRADING_REPO_MB,
+    GRADING_TMP_INODES,
     GRADING_TMP_MB,
     JUDGED_DIR_PREFIX,
     JUDGED_SUBDIRS,
@@ -844,8 +846,10 @@ class DockerBackend:
             lockdown = {
                 "read_only": True,
                 "tmpfs": {
-                    "/tmp": f"rw,exec,nosuid,nodev,size={GRADING_TMP_MB}m,mode=1777",
-                    WORKDIR: f"rw,exec,nosuid,nodev,size={GRADING_REPO_MB}m,mode=755",
+                    "/tmp": f"rw,exec,nosuid,nodev,size={GRADING_TMP_MB}m,"
+                    f"nr_inodes={GRADING_TMP_INODES},mode=1777",
+                    WORKDIR: f"rw,exec,nosuid,nodev,size={GRADING_REPO_MB}m,"
+                    f"nr_inodes={GRADING_REPO_INODES},mode=755",
                 },
                 "cap_drop": ["ALL"],
                 "cap_add": list(GRADING_CAPS),

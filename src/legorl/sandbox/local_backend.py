@@ -42,7 +42,9 @@ from legorl.sandbox.common import (
     BASE_PATH,
     ENV_DIR,
     GRADING_CAPS,
+    GRADING_REPO_INODES,
     GRADING_REPO_MB,
+    GRADING_TMP_INODES,
     GRADING_TMP_MB,
     JUDGED_DIR_PREFIX,
     JUDGED_SUBDIRS,
@@ -855,9 +857,11 @@ class LocalBackend:
 def _mount_grading_tmpfs(root: Path) -> None:
     """A grading sandbox's whole private folder (its repository, /tmp and HOME) on one
     size-capped tmpfs: what a judged command writes is held in memory its cgroup is charged
-    for, up to ``GRADING_REPO_MB + GRADING_TMP_MB``, never on the disk the judge shares."""
+    for, up to ``GRADING_REPO_MB + GRADING_TMP_MB`` (and their inode caps), never on the disk
+    the judge shares."""
     size = GRADING_REPO_MB + GRADING_TMP_MB
-    opts = f"size={size}m,mode=0755,nosuid,nodev"
+    inodes = GRADING_REPO_INODES + GRADING_TMP_INODES
+    opts = f"size={size}m,nr_inodes={inodes},mode=0755,nosuid,nodev"
     try:
         done = subprocess.run(
             ["mount", "-t", "tmpfs", "-o", opts, "legorl-grading", str(root)],

@@ -7,9 +7,15 @@ outcome a pass also needs. Called by ``grade()`` once the judged run passes:
 The judged run (`runner.py`) is recognisable to code that looks: it runs as an unprivileged
 user on a read-only root, through our bootstrap, with the tests rewritten. A patch can fix
 the bug only there and keep it everywhere else. The ordinary run closes that: a fresh sandbox
-from the pristine image, its root writable, the tests as the test_patch wrote them, the
-command as the task gives it, run by the image's own user with no environment of ours. A
-required test the gold patch passes in its ordinary run must pass in the candidate's too.
+from the pristine image, the tests as the test_patch wrote them, the command as the task gives
+it, run by the image's own user with no environment of ours. A required test the gold patch
+passes in its ordinary run must pass in the candidate's too.
+
+Its sandbox's storage is a grading sandbox's (`SandboxBackend.start(grading=True)`): the root
+read-only, the repository and /tmp size- and inode-capped tmpfs, so that what the run writes is
+held in memory its sandbox is charged for, never on the disk the judge and the other gradings
+share (round 30: a correct fix that, where the root was writable, filled the host's disk from
+the ordinary run).
 
 The ordinary run can only take a pass away, never give one: its outcomes are read from what
 it printed (pytest's ``-rA`` summary, unittest's verbose lines, or the task's official parser,
@@ -121,7 +127,12 @@ async def ordinary_run(
     try:
         grader = resolve(task)
         sandbox = await backend.start(
-            task, tasks_dir, run_id=f"{run_id}-ordinary", proxy_url=None, limits=limits
+            task,
+            tasks_dir,
+            run_id=f"{run_id}-ordinary",
+            proxy_url=None,
+            limits=limits,
+            grading=True,
         )
         judged = await apply_model_patch(
             sandbox, task, patch, defences_off=defences_off, runners=runners
