@@ -48,9 +48,13 @@ def loop_command(out: Path, seed: int, options: list[str]) -> list[str]:
     return [legorl, "loop", "--lora", "--seed", str(seed), "--out", str(out), *BUDGET, *options]
 
 
-def baseline(out: Path, seed: int, temperature: float, eval_samples: int) -> dict[str, Any]:
+def baseline(
+    out: Path, seed: int, temperature: float, eval_samples: int, model: Path | None = None
+) -> dict[str, Any]:
     """The start policy's held-out evaluation at ``temperature``: the loop's runner with no
-    training iteration (the same seeded runs, harness and grading as a loop's "before")."""
+    training iteration (the same seeded runs, harness and grading as a loop's "before").
+    ``model``: another policy evaluated the same way (a LoRA checkpoint: its base with the
+    adapter merged, written to ``out/model`` first)."""
     from legorl.loop import LoopConfig
     from legorl.loop.runner import Runner, load_splits
     from legorl.loop.state import STATE_FILE, LoopState
@@ -59,8 +63,16 @@ def baseline(out: Path, seed: int, temperature: float, eval_samples: int) -> dic
         async def train_iterations(self) -> None:  # the evaluation before, nothing after
             return None
 
+    extra: dict[str, Any] = {}
+    if model is not None:
+        extra["model"] = _merged(model, out / "model")
     config = LoopConfig(
-        out=out, seed=seed, temperature=temperature, eval_samples=eval_samples, iterations=1
+        out=out,
+        seed=seed,
+        temperature=temperature,
+        eval_samples=eval_samples,
+        iterations=1,
+        **extra,
     )
     config.validate()
     state_path = out / STATE_FILE
@@ -73,6 +85,16 @@ def baseline(out: Path, seed: int, temperature: float, eval_samples: int) -> dic
     before = state.eval_at(0)
     assert before is not None
     return {"success": before.success, "graded": before.graded, "seconds": before.seconds}
+
+
+def _merged(checkpoint: Path, out: Path) -> Path:
+    """A full-weights folder of ``checkpoint`` (a LoRA adapter's base with it merged)."""
+    from legorl.engines.models import load_model, load_tokenizer
+
+    if not (out / "config.json").is_file():
+        load_model(checkpoint).save_pretrained(out)
+        load_tokenizer(checkpoint).save_pretrained(out)
+    return out
 
 
 def _held_out(out: Path) -> tuple[float | None, float | None, float]:
@@ -186,13 +208,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, required=True)
     p.add_argument("--eval-samples", type=int, default=4)
+    p.add_argument("--model", type=Path, help="another policy (a LoRA checkpoint is merged)")
     args = parser.parse_args(argv)
     if args.what == "all":
         run_all(args.root)
     elif args.what == "report":
         report(args.root)
     else:
-        print(json.dumps(baseline(args.out, args.seed, args.temperature, args.eval_samples)))
+        found = baseline(args.out, args.seed, args.temperature, args.eval_samples, args.model)
+        print(json.dumps(found))
     return 0
 
 

@@ -130,12 +130,14 @@ def _traj(task: Task, kind: str, patch: str) -> Trajectory:
     )
 
 
-def _verify(tasks: list[Task], sandbox: str, tmp_path: Path) -> dict[str, Trajectory]:
+def _verify(
+    tasks: list[Task], sandbox: str, tmp_path: Path, extra: tuple[Trajectory, ...] = ()
+) -> dict[str, Trajectory]:
     trajs = [
         _traj(t, kind, t.patch if kind == "gold" else "")
         for t in tasks
         for kind in ("gold", "empty")
-    ]
+    ] + list(extra)
     write_jsonl(tmp_path / "in.jsonl", trajs)
     done = subprocess.run(
         [sys.executable, "-m", "legorl.cli.main", "verify", "in.jsonl", "--tasks", str(TASKS_FILE)]
@@ -195,6 +197,27 @@ def test_django_gold_passes_and_empty_fails_through_verify(tmp_path: Path) -> No
     tasks = _tasks("django")[:2]
     problems = _wrong(tasks, _verify(tasks, "docker", tmp_path))
     assert not problems, "\n".join(problems)
+
+
+def test_a_package_at_the_root_named_like_a_django_test_app_does_not_stand_in_for_it(
+    tmp_path: Path,
+) -> None:
+    # Round 31: the judged run put the repository before runtests.py's folder on sys.path, so a
+    # package the patch added at the root named like the tests' app (`utils_tests/`) hid the
+    # rewritten test modules, and every required test was missing. Python puts a script's
+    # folder first; so does the judged run now, and the gold fix with that package passes.
+    _need("docker")
+    task = _tasks("django")[0]
+    app = task.FAIL_TO_PASS[0].split("(", 1)[1].split(".", 1)[0]
+    shadow = (
+        f"diff --git a/{app}/__init__.py b/{app}/__init__.py\nnew file mode 100644\n"
+        f"--- /dev/null\n+++ b/{app}/__init__.py\n@@ -0,0 +1 @@\n+# named like a test app\n"
+    )
+    with_shadow = _traj(task, "shadowed", task.patch + shadow)
+    graded = _verify([task], "docker", tmp_path, extra=(with_shadow,))
+    got = graded[f"{task.instance_id}.shadowed"]
+    assert got.reward == 1.0, got.verdict
+    assert not _wrong([task], graded)
 
 
 def _django_check(task: Task, work: Path) -> list[str]:

@@ -22,8 +22,8 @@ plugins are loaded from its installed distributions' entry points before the rep
 ``sys.path`` (at the end), and our plugin goes to ``pytest.main`` as an object under a random
 module name; repository modules the environment also has are named in a ``shadowed`` record.
 ``unittest`` mode puts our result recorder in place (`unittest_report.py`), then runs the
-runner script (or module) with ``runpy`` as ``__main__``, the repository and the script's
-folder last on ``sys.path``; its ``SystemExit`` status goes into the finish record. The process
+runner script (or module) with ``runpy`` as ``__main__``, the script's folder first on
+``sys.path`` (where Python puts it) and the repository last; its ``SystemExit`` status goes into the finish record. The process
 exits with the runner's own exit status.
 """
 
@@ -82,15 +82,21 @@ def _unittest(bundle, args, emit, guard, repo, options, watch):
     )
     if options.get("audit", True):
         _load(bundle, "audit.py").audit()
-    sys.path.append(repo)
     try:
         if args[0] == "-m":
+            sys.path.append(repo)
             sys.argv = ["python -m " + args[1], *args[2:]]
             runpy.run_module(args[1], run_name="__main__", alter_sys=True)
         else:
             script = os.path.join(repo, args[0])
             sys.argv = [script, *args[1:]]
-            sys.path.append(os.path.dirname(os.path.abspath(script)))
+            # The script's folder first, where Python itself puts it (its files are the task's:
+            # the tree judge puts test folders back): a package the patch adds at the
+            # repository's root, which an editable install's .pth puts on the path, named like
+            # one of the runner's test packages (``utils_tests/``) must not stand in for it
+            # (round 31).
+            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+            sys.path.append(repo)
             runpy.run_path(script, run_name="__main__")
         code = 0
     except SystemExit as exc:
