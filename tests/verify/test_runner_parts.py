@@ -9,9 +9,11 @@ outcome alone (what grading was before assertions were judged out of process) pa
 from __future__ import annotations
 
 import asyncio
+import binascii
 import contextlib
 import dataclasses
 import json
+import marshal
 import os
 import subprocess
 import sys
@@ -738,6 +740,65 @@ def test_plain_data_is_rebuilt_from_the_base_types_own_data() -> None:
         pass
     else:
         raise AssertionError("an object is not plain data")
+
+
+def test_tagged_values_are_rebuilt_by_the_judge_and_compared_as_python_does() -> None:
+    # Round 33 (from the code): a date crossed as the tuple ("\0date", y, m, d), so a tuple of
+    # the code under test's spelled that way equalled the date; a naive and an aware datetime
+    # ordered by their tags where Python refuses; an OrderedDict crossed as a dict and lost its
+    # order. A tag now leads with ``...``, which no plain value holds, and the judge rebuilds the
+    # value as its type.
+    import collections
+    import datetime as dt
+
+    from legorl.verify import assertions
+    from legorl.verify.rewrite import Site
+
+    sys.path.insert(0, str(ROOT / "src" / "legorl" / "verify"))
+    try:
+        import operands
+    finally:
+        sys.path.pop(0)
+
+    def judged(op: str, a: object, b: object) -> bool:
+        event = assertions.decode({"site": "s", "v": [operands._pack(a), operands._pack(b)]})
+        assert event is not None and all(event.plain), event
+        site = Site("s", op, [(False, None), (False, None)])
+        return assertions.holds(site, event.values, event)
+
+    day = dt.date(2020, 1, 1)
+    for a, b in [
+        (day, dt.date(2020, 1, 1)),
+        (dt.datetime(2020, 1, 1, 12), dt.datetime(2020, 1, 1, 12)),
+        (
+            dt.datetime(2020, 1, 1, 12, tzinfo=dt.timezone(dt.timedelta(hours=2))),
+            dt.datetime(2020, 1, 1, 10, tzinfo=dt.UTC),
+        ),
+        (dt.time(1, 2, 3), dt.time(1, 2, 3)),
+        (dt.timedelta(days=1, seconds=5), dt.timedelta(seconds=86405)),
+        ([day, {"k": (day,)}], [day, {"k": (day,)}]),
+    ]:
+        assert judged("eq", a, b) and a == b
+    # Python's own answers where the tags used to decide otherwise.
+    for spoof in [("\0date", 2020, 1, 1), ("date", 2020, 1, 1)]:
+        assert not judged("eq", spoof, day) and spoof != day
+    assert "x" in operands._pack((..., "date", 2020, 1, 1))  # ``...`` is no plain data
+    naive, aware = dt.datetime(2020, 1, 1), dt.datetime(2020, 1, 2, tzinfo=dt.UTC)
+    assert not judged("lt", naive, aware) and not judged("eq", naive, aware)
+    assert not judged("lt", dt.date(2020, 1, 1), dt.datetime(2020, 1, 2))
+    assert judged("lt", dt.date(2020, 1, 1), dt.date(2020, 1, 2))
+    one = collections.OrderedDict([("a", 1), ("b", 2)])
+    two = collections.OrderedDict([("b", 2), ("a", 1)])
+    assert not judged("eq", one, two) and one != two
+    assert judged("eq", one, {"b": 2, "a": 1}) and one == {"b": 2, "a": 1}
+    two.move_to_end("b")  # the odict's own order, not its dict's
+    assert judged("eq", one, two) and one == two
+    # A malformed tag reads as no plain data.
+    for bad in [(..., "date", 2020, 13, 1), (..., "odict", [[1]]), (..., "nope"), (...,)]:
+        event = assertions.decode(
+            {"site": "s", "v": [{"m": binascii.b2a_base64(marshal.dumps(bad, 2)).decode()}]}
+        )
+        assert event is not None and event.plain == [False], bad
 
 
 def test_class_names_are_types_own_not_a_metaclasss() -> None:

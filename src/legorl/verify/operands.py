@@ -26,7 +26,9 @@ enclosing ``with`` or ``try`` of the test could catch).
 
 import binascii
 import builtins
+import collections
 import contextlib
+import datetime
 import marshal
 import os
 import signal
@@ -36,6 +38,9 @@ import threading
 HELD = object()  # a stripped operand's place: the judge holds its value
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 _MAX_DEPTH = 40
+_DATETIME = datetime  # the module as it was before any code under test ran
+_ODICT = collections.OrderedDict
+_ODICT_ITER = collections.OrderedDict.__iter__  # its own order, not a subclass's __iter__
 _emit: list = [None]  # the channel's writer, set by the bootstrap
 _onward = [False]  # the empty patch's run of a gold record: a failed assertion does not stop
 _own_call = [True]  # a truth check's callable called here first (off: a control only)
@@ -75,6 +80,11 @@ def plain(value, depth=0):
         return tuple(plain(v, depth + 1) for v in tuple.__getitem__(value, slice(None)))
     if issubclass(kind, list):
         return [plain(v, depth + 1) for v in list.__getitem__(value, slice(None))]
+    if issubclass(kind, _ODICT):
+        # In its own order, which its equality with another OrderedDict compares (round 33: a
+        # plain dict's copy lost it): tagged, and rebuilt as one by the judge.
+        pairs = [[k, dict.__getitem__(value, k)] for k in _ODICT_ITER(value)]
+        return (..., "odict", [[plain(k, depth + 1), plain(v, depth + 1)] for k, v in pairs])
     if issubclass(kind, dict):
         copy = dict.copy(value)
         return {plain(k, depth + 1): plain(v, depth + 1) for k, v in dict.items(copy)}
@@ -90,15 +100,18 @@ def plain(value, depth=0):
 
 def _moment(value, kind):
     """datetime's value types as tagged tuples of their fields, read by the C type's own
-    descriptors (ordered and compared as the types themselves are, within one kind)."""
-    import datetime as dt
+    descriptors; the judge rebuilds each as its type (`assertions.decode`), so it compares
+    them as Python does. A tag leads with ``...``, which no plain value holds (``plain``
+    refuses it), so a tuple of the code under test's cannot pass for one (round 33)."""
+    dt = _DATETIME
 
     def get(cls, name):
         return getattr(cls, name).__get__(value)
 
     if issubclass(kind, dt.timedelta):
         return (
-            "\0timedelta",
+            ...,
+            "timedelta",
             get(dt.timedelta, "days"),
             get(dt.timedelta, "seconds"),
             get(dt.timedelta, "microseconds"),
@@ -110,21 +123,23 @@ def _moment(value, kind):
         ]
         zone = get(dt.datetime, "tzinfo")
         if zone is None:
-            return ("\0datetime", *fields)
+            return (..., "datetime", *fields)
         if type(zone) is not dt.timezone:
             return None
         naive = dt.datetime(*fields) - dt.timezone.utcoffset(zone, None)
         return (
-            "\0datetime-utc",
+            ...,
+            "datetime-utc",
             *(
                 getattr(naive, n)
                 for n in ("year", "month", "day", "hour", "minute", "second", "microsecond")
             ),
         )
     if issubclass(kind, dt.date):
-        return ("\0date", get(dt.date, "year"), get(dt.date, "month"), get(dt.date, "day"))
+        return (..., "date", get(dt.date, "year"), get(dt.date, "month"), get(dt.date, "day"))
     if issubclass(kind, dt.time) and get(dt.time, "tzinfo") is None:
-        return ("\0time", *(get(dt.time, n) for n in ("hour", "minute", "second", "microsecond")))
+        fields = [get(dt.time, n) for n in ("hour", "minute", "second", "microsecond")]
+        return (..., "time", *fields)
     return None
 
 
