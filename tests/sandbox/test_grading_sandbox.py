@@ -341,6 +341,59 @@ def test_what_a_judged_command_writes_is_capped_in_memory_not_on_disk(
             assert root not in fh.read()
 
 
+# Raises its own limit as far as it may, then opens files until it cannot.
+_FILES_PROBE = r"""
+import os, resource
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+try:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard * 4, hard * 4))
+    raised = "raised"
+except (ValueError, OSError):
+    raised = "refused"
+fds = []
+try:
+    for _ in range(3000):
+        fds.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+print(hard, raised, len(fds))
+"""
+
+
+@pytest.mark.parametrize("grading", [True, False])
+def test_a_grading_sandbox_holds_a_bounded_share_of_the_hosts_open_files(
+    backend: Any, grading: bool
+) -> None:
+    # Round 35: processes of a judged command each holding 19,000 open files filled the host's
+    # one open-file table (every other grading and its control then fail). In a grading
+    # sandbox no process may hold more than GRADING_OPEN_FILES, root's steps included, and
+    # none can raise it; the control is a rollout sandbox, which inherits the host's limit.
+    from legorl.sandbox.common import GRADING_OPEN_FILES
+
+    async def go() -> list[list[str]]:
+        box = await _start(backend, grading=grading)
+        try:
+            out = []
+            for judged in [True, False] if grading else [False]:
+                if judged:
+                    await box.exec(
+                        ["chown", "-R", f"{JUDGED_UID}:{JUDGED_UID}", box.workdir], timeout=60
+                    )
+                said = await _ok(box, ["python", "-c", _FILES_PROBE], judged=judged, timeout=60)
+                out.append(said.split()[-3:])
+        finally:
+            await box.close()
+        return out
+
+    for hard, raised, opened in run(go()):
+        if not grading:
+            assert int(opened) == 3000, (hard, raised, opened)
+            continue
+        assert (int(hard), raised) == (GRADING_OPEN_FILES, "refused")
+        assert int(opened) < GRADING_OPEN_FILES
+
+
 def test_a_tree_too_deep_for_rmtree_goes_with_its_sandbox(
     local_backend: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -116,3 +116,33 @@ def test_the_empty_patch_is_its_own_control_and_environments_get_their_own() -> 
 
     asyncio.run(two_images())
     assert grade.controls == 2
+
+
+def test_a_failed_control_is_run_again_for_a_later_failure() -> None:
+    # Round 35: a control that failed while a neighbour exhausted the host was kept for the
+    # batch, so every later null of the task stood. It now stands only for the trajectories
+    # that waited on it; a later one gets a fresh control.
+    class Recovering(Scripted):
+        async def __call__(self, traj: Trajectory, turns: list[Turn]) -> Trajectory:
+            if not traj.patch:
+                self.control = None if self.controls == 0 else 0.0
+            return await super().__call__(traj, turns)
+
+    grade = Recovering(control=None)
+
+    async def one_after_another() -> list[Trajectory]:
+        controls = Controls()
+        out = []
+        for tid in ("first", "second", "third"):
+            out.append(
+                await graded_or_control(
+                    _traj(tid, "null"), _task(), turns=[], grade=grade, controls=controls
+                )
+            )
+        await controls.close()
+        return out
+
+    first, second, third = asyncio.run(one_after_another())
+    assert first.reward is None and first.verdict["control"]["reward"] is None
+    assert second.reward == 0.0 and FLAG in second.hack_flags
+    assert third.reward == 0.0 and grade.controls == 2  # a control that graded is kept

@@ -50,6 +50,12 @@ GRADING_REPO_MB = 1024
 #: repository of SWE-bench's has a few thousand to some tens of thousands of them.
 GRADING_TMP_INODES = 65_536
 GRADING_REPO_INODES = 262_144
+#: The open files of one process in a grading sandbox (soft and hard): with ``Limits.pids``
+#: processes, a sandbox holds at most pids × this of the host's one open-file table
+#: (``fs.file-max``), which every sandbox and the judge share (round 35: 8 processes of 19,000
+#: files each took 150,000 of it, and 124 would have filled it, failing every other grading and
+#: its control at once).
+GRADING_OPEN_FILES = 1024
 #: The capabilities root keeps in a grading sandbox, for its own grading steps (git apply, the
 #: chown before the judged run, writing into the judged user's tree); judged commands hold none.
 GRADING_CAPS = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL")

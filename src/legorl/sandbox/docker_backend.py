@@ -41,6 +41,7 @@ from legorl.sandbox import cgroups, tree_probe
 from legorl.sandbox.common import (
     BASE_PATH,
     GRADING_CAPS,
+    GRADING_OPEN_FILES,
     GRADING_REPO_INODES,
     GRADING_REPO_MB,
     GRADING_TMP_INODES,
@@ -806,7 +807,7 @@ class DockerBackend:
         grading: bool = False,
     ) -> DockerSandbox:
         import docker.errors
-        from docker.types import Mount
+        from docker.types import Mount, Ulimit
 
         limits = limits or Limits()
         cache = self.cache
@@ -853,6 +854,9 @@ class DockerBackend:
                 },
                 "cap_drop": ["ALL"],
                 "cap_add": list(GRADING_CAPS),
+                "ulimits": [
+                    Ulimit(name="nofile", soft=GRADING_OPEN_FILES, hard=GRADING_OPEN_FILES)
+                ],
             }
         host_config = self.api.create_host_config(
             network_mode="none",

@@ -42,6 +42,7 @@ from legorl.sandbox.common import (
     BASE_PATH,
     ENV_DIR,
     GRADING_CAPS,
+    GRADING_OPEN_FILES,
     GRADING_REPO_INODES,
     GRADING_REPO_MB,
     GRADING_TMP_INODES,
@@ -486,10 +487,14 @@ class LocalSandbox:
             become = [self._interpreter, "-I", "-S", "-c", _BECOME_JUDGED, str(JUDGED_UID)]
             argv = [*become, *argv]
         full = [*head, *self._flags, *extra, *self._last, "--chdir", cwd or WORKDIR, "--", *argv]
+        prelude = []
+        if self.grading:  # soft and hard: nothing inside can raise it again
+            prelude.append(f"ulimit -n {GRADING_OPEN_FILES} || exit 125")
         if self.cgroup is not None:
             files = " ".join(f"'{p}'" for p in self.cgroup.procs_files())
-            join = f'for f in {files}; do echo $$ > "$f" || exit 125; done; exec "$@"'
-            full = ["/bin/sh", "-c", join, "sh", *full]
+            prelude.append(f'for f in {files}; do echo $$ > "$f" || exit 125; done')
+        if prelude:
+            full = ["/bin/sh", "-c", "; ".join([*prelude, 'exec "$@"']), "sh", *full]
         return full
 
     async def exec(

@@ -9,7 +9,8 @@ the empty patch, the cheapest control, in the same backend and environment. If t
 grades (reward 0.0 or 1.0), the environment works and the candidate's failure was its patch's
 doing: reward 0.0, its flags kept, plus ``grading_failed`` and the reason. Only when the control
 fails as well does the null stand. One control per task and environment per batch, shared by
-every trajectory that needs it. Trajectories whose own status is an environment failure never
+every trajectory that needs it while it runs and after it grades; one that failed is run again
+for a trajectory that needs it later. Trajectories whose own status is an environment failure never
 reach this (``verify()`` passes them through).
 """
 
@@ -43,8 +44,14 @@ class Controls:
     runs: dict[tuple[str, str, str], asyncio.Task[Trajectory]] = field(default_factory=dict)
 
     async def outcome(self, traj: Trajectory, task: Task, grade: Grade) -> Trajectory:
+        """The task's control grading: the one running or passed, shared; a control that
+        failed stands only for the trajectories that waited on it (its failure's window), and a
+        later one gets a fresh control (round 35: a failure a neighbour caused for a while,
+        kept for the batch, let every later null of the task stand)."""
         key = environment_key(task)
         run = self.runs.get(key)
+        if run is not None and run.done() and _failed(run):
+            run = None
         if run is None:
             control = replace(
                 traj,
@@ -62,6 +69,10 @@ class Controls:
         for run in self.runs.values():
             run.cancel()
         await asyncio.gather(*self.runs.values(), return_exceptions=True)
+
+
+def _failed(run: asyncio.Task[Trajectory]) -> bool:
+    return run.cancelled() or run.exception() is not None or run.result().reward is None
 
 
 async def _guarded(traj: Trajectory, turns: list[Turn], grade: Grade) -> Trajectory:
