@@ -1,7 +1,7 @@
 """The ordinary run (`legorl.verify.ordinary`): a pass also needs the task's own command, run as
 its environment runs it in a fresh sandbox, to pass what the gold patch passes there. A patch
 that fixes the bug only where it sees the judged run's tells (the sender in builtins, an
-isolated interpreter, a user other than the image's) keeps 1.0 with the run switched off (the
+isolated interpreter) keeps 1.0 with the run switched off (the
 control) and gets 0 with it, in real Docker and in bubblewrap. The printed-output readers are
 checked on text.
 """
@@ -25,8 +25,8 @@ RIGHT_WHILE_GRADED = textwrap.dedent(
     +++ b/geometry.py
     @@ -6,2 +6,5 @@ def rectangle_area(width, height):
          \"\"\"Return the area of a width x height rectangle.\"\"\"
-    +    import builtins, os, sys
-    +    if os.getuid() != 0 or sys.flags.isolated or hasattr(builtins, "__leg" + "orl__"):
+    +    import builtins, sys
+    +    if sys.flags.isolated or hasattr(builtins, "__leg" + "orl__"):
     +        return width * height
          return width + height
     """
@@ -77,17 +77,20 @@ def test_unittest_lines_read_as_outcomes() -> None:
     assert read_unittest(log, {a, b, c}) == {a: "passed", b: "failed", c: "error"}
 
 
-#: The gold fix, made only where the run cannot write outside the repository and /tmp, nor past
-#: their caps (round 30: a correct fix that filled the host's disk from the ordinary run, whose
-#: root was writable): a pass is the proof that both runs' writes were capped.
+#: The gold fix, made only where the run is unprivileged and cannot write outside the repository
+#: and /tmp, nor past their caps (round 30: a correct fix that filled the host's disk from the
+#: ordinary run, whose root was writable; rounds 35 and 36: it ran as root): a pass is the proof
+#: that both runs were confined alike.
 FIX_WHERE_CAPPED = textwrap.dedent(
     """\
     diff --git a/geometry.py b/geometry.py
     --- a/geometry.py
     +++ b/geometry.py
-    @@ -6,2 +6,18 @@ def rectangle_area(width, height):
+    @@ -6,2 +6,20 @@ def rectangle_area(width, height):
          \"\"\"Return the area of a width x height rectangle.\"\"\"
     +    import os
+    +    if os.getuid() == 0:
+    +        return width + height  # run as root
     +    for path in ("/var/tmp/legorl-fill", "/legorl-fill"):
     +        try:
     +            with open(path, "wb") as fh:
@@ -109,7 +112,7 @@ FIX_WHERE_CAPPED = textwrap.dedent(
 
 
 @pytest.mark.parametrize("backend", ["docker", "local"])
-def test_the_ordinary_runs_writes_are_capped_off_the_hosts_disk(
+def test_the_ordinary_run_is_confined_as_the_judged_run_is(
     backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The caps made small: 24 MiB for the repository, 8 MiB for /tmp (local: one folder of 32).

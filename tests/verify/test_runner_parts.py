@@ -1005,6 +1005,12 @@ def test_the_hashing_work_of_one_runs_operands_is_budgeted() -> None:
     assert seen == [True, True, False]
     assert assertions.decode(event([1, 2]), budget).plain == [False]  # spent: nothing more
     assert assertions.decode(event({i: i for i in range(2000)})).plain == [True]
+    # Round 36: the same keys as a tagged OrderedDict's pairs (a list, which nothing hashes
+    # until the judge rebuilds the OrderedDict) are charged as a dict's.
+    pairs = [[k, 0] for k in sorted(colliding)]
+    assert assertions.decode(event((..., "odict", pairs))).plain == [False]
+    small = [[i, i] for i in range(1000)]  # (its pairs cost more bytes than a dict's items)
+    assert assertions.decode(event((..., "odict", small))).plain == [True]
 
 
 def test_a_value_the_statement_shows_is_no_secret() -> None:

@@ -196,13 +196,24 @@ def marshal_sound(data: bytes, budget: Budget | None = None) -> bool:
             if count < 0 or count > end - pos:  # every item takes at least one byte
                 return None
             start = pos
+            triple = count == 3 and code in (ord("("), ord(")"))  # a tag may lead it
+            items = []
             for _ in range(count):
+                if triple:
+                    items.append(pos)
                 found = value(pos, depth + 1)
                 if found is None:
                     return None
                 pos = found
             if code in (ord("<"), ord(">")):  # a set or frozenset: its items are hashed
                 hashing += count * (pos - start)
+            if triple and data[items[0]] & 0x7F == ord(".") and data[items[2]] & 0x7F == ord("["):
+                # A tagged OrderedDict's pairs (`_tagged`): its keys are hashed as a dict's
+                # are (round 36: 180,000 colliding keys in a list cost nothing here, then 11
+                # minutes to rebuild).
+                at = items[2] + 1
+                pairs = int.from_bytes(data[at : at + 4], "little", signed=True)
+                hashing += max(pairs, 0) * (pos - items[2])
         elif code == ord("{"):
             containers += 1
             pairs, start = 0, pos

@@ -4,18 +4,18 @@ outcome a pass also needs. Called by ``grade()`` once the judged run passes:
     run = await ordinary_run(task, patch, backend=…, tasks_dir=…, run_id=…, config=…, runners=…)
     failing = vetoed(run.passed, record.ordinary)   # required tests the gold passes here, not it
 
-The judged run (`runner.py`) is recognisable to code that looks: it runs as an unprivileged
-user on a read-only root, through our bootstrap, with the tests rewritten. A patch can fix
-the bug only there and keep it everywhere else. The ordinary run closes that: a fresh sandbox
-from the pristine image, the tests as the test_patch wrote them, the command as the task gives
-it, run by the image's own user with no environment of ours. A required test the gold patch
-passes in its ordinary run must pass in the candidate's too.
+The judged run (`runner.py`) is recognisable to code that looks: through our bootstrap, with
+the tests rewritten. A patch can fix the bug only there and keep it everywhere else. The
+ordinary run closes that: a fresh sandbox from the pristine image, the tests as the test_patch
+wrote them, the command as the task gives it, nothing of ours in the process. A required test
+the gold patch passes in its ordinary run must pass in the candidate's too.
 
-Its sandbox's storage is a grading sandbox's (`SandboxBackend.start(grading=True)`): the root
-read-only, the repository and /tmp size- and inode-capped tmpfs, so that what the run writes is
-held in memory its sandbox is charged for, never on the disk the judge and the other gradings
-share (round 30: a correct fix that, where the root was writable, filled the host's disk from
-the ordinary run).
+Its code runs as the judged run's does, and nothing it can do is more: a grading sandbox
+(`SandboxBackend.start(grading=True)`: the root read-only, the repository and /tmp size- and
+inode-capped tmpfs, open files capped; round 30: with a writable root it filled the host's
+disk) and the unprivileged judged user (`exec(judged=True)`: rounds 35 and 36, the image's
+root shares host root's per-user kernel limits). The user and the read-only root are then no
+tell of the judged run.
 
 The ordinary run can only take a pass away, never give one: its outcomes are read from what
 it printed (pytest's ``-rA`` summary, unittest's verbose lines, or the task's official parser,
@@ -144,7 +144,9 @@ async def ordinary_run(
         if applied is None:
             out.error = f"the task's test_patch does not apply: {error}"
             return out
-        run = await sandbox.exec(["sh", "-c", grader.command], timeout=timeout, cwd=sandbox.workdir)
+        run = await sandbox.exec(
+            ["sh", "-c", grader.command], timeout=timeout, cwd=sandbox.workdir, judged=True
+        )
         out.exit_code, out.timed_out = run.exit_code, run.timed_out
         out.outcomes, unread = await read(grader, run.output, task)
         out.unread = unread or ""
