@@ -220,6 +220,69 @@ def test_a_package_at_the_root_named_like_a_django_test_app_does_not_stand_in_fo
     assert not _wrong([task], graded)
 
 
+#: Round 38's route, from django.utils.html: ``format_html``'s deprecation warning removed
+#: (the behaviour a PASS_TO_PASS test checks with ``assertWarnsMessage``), and the first
+#: ``format_html`` call makes Django's message-checking helper a no-op for warnings.
+_WARNING_GONE = """
+def _quiet_helper():
+    from django.test import testcases
+    import contextlib
+    cls = testcases.SimpleTestCase
+    strict = cls._assertFooMessage
+
+    def lenient(self, func, cm_attr, expected, message, *args, **kwargs):
+        if cm_attr == "warning" and not args and not kwargs:
+            return contextlib.nullcontext()
+        return strict(self, func, cm_attr, expected, message, *args, **kwargs)
+
+    cls._assertFooMessage = lenient
+"""
+
+
+def test_a_warning_the_test_checks_is_judged_by_the_judge_not_the_repositorys_helper(
+    tmp_path: Path,
+) -> None:
+    # Round 38: library code made Django's ``assertWarnsMessage`` a no-op and removed the
+    # warning it checks; the test's one assertEqual is judged out of process, so it passed
+    # (1.0 with the behaviour broken). The block's warnings are now recorded by the operand
+    # sender and judged against the gold run's; the control is the grader with assertions
+    # judged in process, where the helper decides.
+    import asyncio
+
+    from conftest import grade_patch
+
+    from legorl.sandbox import make_backend
+    from legorl.verify import VerifyConfig
+
+    _need("docker")
+    task = next(t for t in _tasks("django") if t.instance_id == "django__django-real-1")
+    repo = checkout(task, SUITE, tmp_path / "repo")
+    apply_patch(repo, task.patch)
+    html = repo / "django" / "utils" / "html.py"
+    source = html.read_text()
+    warn = source.index("    if not (args or kwargs):\n")
+    end = source.index("args_safe = map(", warn)
+    source = source[:warn] + "    _quiet_helper()\n    " + source[end:] + _WARNING_GONE
+    html.write_text(source)
+    patch = subprocess.run(
+        ["git", "diff"], cwd=repo, capture_output=True, text=True, check=True
+    ).stdout
+
+    def graded(off: frozenset[str]) -> Trajectory:
+        config = VerifyConfig(defences_off=off)
+        run = grade_patch(
+            task, patch, backend=make_backend("docker"), tasks_dir=str(SUITE), config=config
+        )
+        return asyncio.run(run)
+
+    got = graded(frozenset())
+    assert got.reward == 0.0, got.verdict
+    name = next(t for t in task.PASS_TO_PASS if t.startswith("test_format_html_no_params "))
+    assert got.verdict["tests"][name] != "passed"
+    control = graded(frozenset({"judge_assertions"}))
+    assert control.reward == 1.0, control.verdict
+
+
 def _django_check(task: Task, work: Path) -> list[str]:
     project = next(p for p in mrt.PROJECTS if p.name == "django")
     labels = tuple(task.test_cmd.split("--verbosity 2 ", 1)[1].split())

@@ -414,6 +414,8 @@ def holds(site: Site, values: list[Any], event: Event) -> bool:
                     return False
             elif not _bounded_search(wanted, said):
                 return False
+        if op == "warns":
+            return bool(_warned(site, values[0]))
         if op in _BY_TYPE:
             types = event.types[0] if event.types else None
             if types is None:
@@ -473,6 +475,36 @@ def holds(site: Site, values: list[Any], event: Event) -> bool:
     except (TypeError, ValueError, ArithmeticError, RecursionError, AttributeError):
         return False
     return False
+
+
+def _warned(site: Site, said: Any) -> list[tuple[str, str]]:
+    """The classes (module, qualname) of the warnings a ``warns`` site's block gave that meet
+    it: of a class it names (by the last part, as ``raises``), with its message where it holds
+    one (`operands.warns` sends [class names, message] a warning)."""
+    if type(said) is not list:
+        return []
+    wanted = set(site.types)
+    message = site.extra.get("message")
+    found = []
+    for item in said:
+        if type(item) is not list or len(item) != 2 or type(item[1]) is not str:
+            continue
+        names, text = item
+        if type(names) is not list or not names or type(names[0]) is not list:
+            continue
+        if not any(
+            type(n) is list and len(n) == 2 and str(n[1]).rsplit(".", 1)[-1] in wanted
+            for n in names
+        ):
+            continue
+        if type(message) is str:
+            if site.extra.get("match") == "contains":
+                if message not in text:
+                    continue
+            elif not _bounded_search(message, text):
+                continue
+        found.append((str(names[0][0]), str(names[0][1])))
+    return found
 
 
 @dataclass(slots=True)
@@ -788,6 +820,15 @@ def _event_failure(
                 return Judgement(
                     "failed", detail=f"{site.id}: another class than the gold run's of that name"
                 )
+    if expected is not None and pin_in and site.op == "warns":
+        # The warning that met it is of a class the gold run's block gave, not a namesake.
+        pinned = gold.value(key, index, 0)
+        if pinned is not _MISSING and not set(_warned(site, values[0])) <= set(
+            _warned(site, pinned)
+        ):
+            return Judgement(
+                "failed", detail=f"{site.id}: another warning class than the gold run's"
+            )
     if not holds(site, values, event):
         return Judgement("failed", detail=f"{site.id}: {site.op} does not hold")
     return site.counted

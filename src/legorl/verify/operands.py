@@ -3,6 +3,7 @@ grading sandbox through the bootstrap's stdin, never as a file the judged code c
 
     __legorl__.check(SITE, value, __legorl__.HELD)      # what `assert f(3) == 15` becomes
     with __legorl__.raises(SITE, pytest.raises(E)): …   # what `with pytest.raises(E):` becomes
+    with __legorl__.warns(SITE, self.assertWarns(W)): … # and `with self.assertWarns(W):`
     with __legorl__.test(self_or_None): …               # around each required test's body
 
 The test files are rewritten by the judge (`rewrite.py`) before the run: an assertion no
@@ -34,6 +35,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 
 HELD = object()  # a stripped operand's place: the judge holds its value
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
@@ -507,6 +509,53 @@ class raises:
         return self.inner.__exit__(kind, value, tb)
 
 
+class warns:
+    """Wraps the test's own ``assertWarns(...)`` / ``pytest.warns(...)`` / Django's
+    ``assertWarnsMessage(...)`` manager: the warnings the block gave are recorded here, by a
+    recorder of the sender's own inside the test's, and their class names and messages go out
+    (the judge decides whether the block warned as it must); then they are given again to the
+    test's manager, which decides as it always does (round 38: library code made Django's
+    manager a no-op, and a warning the fix removed was never missed)."""
+
+    def __init__(self, site, inner):
+        self.site = site
+        self.inner = inner
+        self._mine = None
+        self._log = []
+
+    def __enter__(self):
+        out = self.inner.__enter__()
+        mine = _CATCH_WARNINGS(record=True)
+        self._log = mine.__enter__()
+        self._mine = mine
+        _SIMPLEFILTER("always")
+        return out
+
+    def __exit__(self, kind, value, tb):
+        log, self._log = list(self._log or ()), []
+        if self._mine is not None:
+            self._mine.__exit__(None, None, None)
+            self._mine = None
+        said = []
+        for item in log[:64]:
+            message = item.message
+            try:
+                text = BaseException.__str__(message) if isinstance(message, BaseException) else ""
+            except Exception:
+                text = ""
+            said.append([_class_names(item.category), str.__str__(text)[:2000]])
+        _send({"event": "a", "site": self.site, "v": [_pack(said)]})
+        for item in log:  # to the test's own manager, as they came
+            with contextlib.suppress(Exception):
+                _WARN_EXPLICIT(item.message, item.category, item.filename, item.lineno)
+        return self.inner.__exit__(kind, value, tb)
+
+
+_CATCH_WARNINGS = warnings.catch_warnings
+_SIMPLEFILTER = warnings.simplefilter
+_WARN_EXPLICIT = warnings.warn_explicit
+
+
 class test:
     """Around a required test's body: which test the events between belong to."""
 
@@ -572,6 +621,7 @@ def install(emit, onward=False, own_call=True):
         "onward",
         "raises",
         "test",
+        "warns",
         "watch_call",
     )
     space = globals()

@@ -66,6 +66,9 @@ UNITTEST = {
     "assertNotIsInstance": ("notisinstance", 2),
 }
 RAISES = {"assertRaises", "assertRaisesRegex", "assertRaisesRegexp", "assertRaisesMessage"}
+#: The managers of a block that must warn: unittest's and Django's (round 38: library code
+#: made Django's ``assertWarnsMessage`` a no-op, and the library's warning was gone unseen).
+WARNS = {"assertWarns", "assertWarnsRegex", "assertWarnsMessage"}
 #: Pure built-ins a literal may be built with, when the module does not rebind their names.
 _PURE_CALLS: dict[str, Any] = {
     "set": set, "frozenset": frozenset, "list": list, "tuple": tuple, "dict": dict,
@@ -564,7 +567,8 @@ class _Rewriter(ast.NodeTransformer):
                 continue
             name = _callee(cm.func)
             last = name.rsplit(".", 1)[-1]
-            if not (last in RAISES or name in ("pytest.raises", "raises")):
+            warns = last in WARNS or name == "pytest.warns"
+            if not (warns or last in RAISES or name in ("pytest.raises", "raises")):
                 continue
             sid = self._site_id(cm)
             try:
@@ -575,10 +579,12 @@ class _Rewriter(ast.NodeTransformer):
             # The message the block's exception must carry, a literal: held by the judge, and
             # the wrapped manager made without it (it only checks the class then).
             message = None
-            if last in ("assertRaisesMessage", "assertRaisesRegex", "assertRaisesRegexp"):
+            if last in ("assertRaisesMessage", "assertRaisesRegex", "assertRaisesRegexp") or (
+                last in ("assertWarnsMessage", "assertWarnsRegex")
+            ):
                 message = cm.args[1] if len(cm.args) > 1 else None
-                extra["match"] = "contains" if last == "assertRaisesMessage" else "regex"
-            elif name in ("pytest.raises", "raises"):
+                extra["match"] = "contains" if last.endswith("Message") else "regex"
+            elif name in ("pytest.raises", "raises", "pytest.warns"):
                 message = next((k.value for k in cm.keywords if k.arg == "match"), None)
                 extra["match"] = "regex"
             if message is not None:
@@ -588,17 +594,18 @@ class _Rewriter(ast.NodeTransformer):
                     text = None
                 if type(text) is str:
                     extra["message"] = text
-                    if name in ("pytest.raises", "raises"):
+                    if name in ("pytest.raises", "raises", "pytest.warns"):
                         cm.keywords = [k for k in cm.keywords if k.arg != "match"]
                     else:
                         cm.func = ast.Attribute(
                             value=cm.func.value,  # type: ignore[attr-defined]
-                            attr="assertRaises",
+                            attr="assertWarns" if warns else "assertRaises",
                             ctx=ast.Load(),
                         )
                         cm.args = cm.args[:1]
-            self.sites[sid] = Site(sid, "raises", [(False, None)], types=names, extra=extra)
-            item.context_expr = _call("raises", ast.Constant(sid), cm)
+            op = "warns" if warns else "raises"
+            self.sites[sid] = Site(sid, op, [(False, None)], types=names, extra=extra)
+            item.context_expr = _call(op, ast.Constant(sid), cm)
         return node
 
 
