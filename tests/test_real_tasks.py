@@ -283,6 +283,52 @@ def test_a_warning_the_test_checks_is_judged_by_the_judge_not_the_repositorys_he
     assert control.reward == 1.0, control.verdict
 
 
+def test_a_message_the_test_computes_is_checked_by_the_judge(tmp_path: Path) -> None:
+    # Round 39: `assertRaisesMessage(E, msg)` with `msg` bound twice in the test is no literal
+    # the judge holds, so only Django's helper checked the message, in process; the library
+    # made `SimpleTestCase.assertIn` a no-op and raised another message. The message the test
+    # computes is now sent, pinned to the gold run's and checked by the judge; the control is
+    # the grader with assertions judged in process.
+    import asyncio
+
+    from conftest import grade_patch
+
+    from legorl.sandbox import make_backend
+    from legorl.verify import VerifyConfig
+
+    _need("docker")
+    task = next(t for t in _tasks("django") if t.instance_id == "django__django-real-4")
+    assert any(t.startswith("test_get_valid_filename ") for t in task.PASS_TO_PASS)
+    repo = checkout(task, SUITE, tmp_path / "repo")
+    apply_patch(repo, task.patch)
+    text = repo / "django" / "utils" / "text.py"
+    source = text.read_text()
+    old = """        raise SuspiciousFileOperation("Could not derive file name from '%s'" % name)"""
+    assert old in source
+    new = """        from django.test.testcases import SimpleTestCase
+
+        SimpleTestCase.assertIn = lambda self, member, container, msg=None: None
+        raise SuspiciousFileOperation("Invalid file name.")"""
+    text.write_text(source.replace(old, new))
+    patch = subprocess.run(
+        ["git", "diff"], cwd=repo, capture_output=True, text=True, check=True
+    ).stdout
+
+    def graded(off: frozenset[str]) -> Trajectory:
+        config = VerifyConfig(defences_off=off)
+        run = grade_patch(
+            task, patch, backend=make_backend("docker"), tasks_dir=str(SUITE), config=config
+        )
+        return asyncio.run(run)
+
+    got = graded(frozenset())
+    assert got.reward == 0.0, got.verdict
+    name = next(t for t in task.PASS_TO_PASS if t.startswith("test_get_valid_filename "))
+    assert got.verdict["tests"][name] != "passed"
+    control = graded(frozenset({"judge_assertions"}))
+    assert control.reward == 1.0, control.verdict
+
+
 def _django_check(task: Task, work: Path) -> list[str]:
     project = next(p for p in mrt.PROJECTS if p.name == "django")
     labels = tuple(task.test_cmd.split("--verbosity 2 ", 1)[1].split())

@@ -404,18 +404,21 @@ def holds(site: Site, values: list[Any], event: Event) -> bool:
             if a_id is None or b_id is None:
                 return False
             return (a_id == b_id) == (op == "same")
-        if op == "raises" and "message" in site.extra:
+        if op == "raises" and _checks_message(site):
             said = event.values[1] if len(event.values) > 1 else _MISSING
-            if type(said) is not str:
+            wanted = _wanted_message(site, event)
+            if type(said) is not str or type(wanted) is not str:
                 return False
-            wanted = site.extra["message"]
             if site.extra.get("match") == "contains":
                 if wanted not in said:
                     return False
             elif not _bounded_search(wanted, said):
                 return False
         if op == "warns":
-            return bool(_warned(site, values[0]))
+            wanted = _wanted_message(site, event)
+            return _checks_message(site) <= (type(wanted) is str) and bool(
+                _warned(site, values[0], wanted)
+            )
         if op in _BY_TYPE:
             types = event.types[0] if event.types else None
             if types is None:
@@ -477,14 +480,36 @@ def holds(site: Site, values: list[Any], event: Event) -> bool:
     return False
 
 
-def _warned(site: Site, said: Any) -> list[tuple[str, str]]:
+def _checks_message(site: Site) -> bool:
+    """Whether a raises or warns site checks its message: one the judge holds (a literal) or
+    one the test computes, sent beside the block's outcome (round 39)."""
+    return "message" in site.extra or bool(site.extra.get("computed"))
+
+
+#: Where a raises or warns event carries the message the test computed.
+_COMPUTED_AT = {"raises": 2, "warns": 1}
+
+
+def _wanted_message(site: Site, event: Event) -> Any:
+    """The message a raises or warns site checks: the judge's literal, or the one the test
+    computed (its operand; pinned to the gold run's in `_event_failure`); else _MISSING."""
+    if "message" in site.extra:
+        return site.extra["message"]
+    at = _COMPUTED_AT.get(site.op)
+    if site.extra.get("computed") and at is not None and len(event.values) > at:
+        return event.values[at]
+    return _MISSING
+
+
+def _warned(site: Site, said: Any, message: Any = _MISSING) -> list[tuple[str, str]]:
     """The classes (module, qualname) of the warnings a ``warns`` site's block gave that meet
-    it: of a class it names (by the last part, as ``raises``), with its message where it holds
-    one (`operands.warns` sends [class names, message] a warning)."""
+    it: of a class it names (by the last part, as ``raises``), with ``message`` where the site
+    checks one (`operands.warns` sends [class names, message] a warning)."""
     if type(said) is not list:
         return []
     wanted = set(site.types)
-    message = site.extra.get("message")
+    if type(message) is not str:
+        message = None
     found = []
     for item in said:
         if type(item) is not list or len(item) != 2 or type(item[1]) is not str:
@@ -770,7 +795,13 @@ def _event_failure(
         if event.ok is not True:
             return Judgement("failed", detail=f"{site.id}: failed (judged in process)")
         return False
-    if len(event.values) != len(site.held) and not (site.op == "raises" and len(event.values) == 2):
+    count = len(event.values)
+    if site.op in _COMPUTED_AT:  # the outcome (raises: the class, then the message), and the
+        fits = count == _COMPUTED_AT[site.op] + bool(site.extra.get("computed"))  # computed one
+        fits = fits or (site.op == "raises" and count == 1 and not site.extra.get("computed"))
+    else:
+        fits = count == len(site.held)
+    if not fits:
         return Judgement("failed", detail=f"{site.id}: the event's operands do not fit the site")
     values: list[Any] = []
     for i, ((is_held, held_value), value, was_plain) in enumerate(
@@ -802,11 +833,19 @@ def _event_failure(
             if pinned is not _MISSING and not _same(value, pinned):
                 return Judgement("failed", detail=f"{site.id}: differs from the gold run's value")
         values.append(value)
-    if expected is not None and pin_in and site.op == "raises" and "message" in site.extra:
+    if expected is not None and pin_in and site.op == "raises" and _checks_message(site):
         pinned = gold.value(key, index, 1)
         said = event.values[1] if len(event.values) > 1 else _MISSING
         if pinned is not _MISSING and not _same(said, pinned):
             return Judgement("failed", detail=f"{site.id}: the message differs from the gold run's")
+    if expected is not None and site.extra.get("computed") and site.op in _COMPUTED_AT:
+        # The message the test computed is the gold run's: a computed expected value.
+        at = _COMPUTED_AT[site.op]
+        pinned = gold.value(key, index, at)
+        if pinned is not _MISSING and not _same(_wanted_message(site, event), pinned):
+            return Judgement(
+                "failed", detail=f"{site.id}: the expected message differs from the gold run's"
+            )
     if expected is not None and pin_in and site.op in _BY_TYPE:
         # The class a type check matched is the one the gold run's matched: a class of the
         # patch's own that merely bears the name (``class IndexError(Exception)``) does not
@@ -823,8 +862,9 @@ def _event_failure(
     if expected is not None and pin_in and site.op == "warns":
         # The warning that met it is of a class the gold run's block gave, not a namesake.
         pinned = gold.value(key, index, 0)
-        if pinned is not _MISSING and not set(_warned(site, values[0])) <= set(
-            _warned(site, pinned)
+        wanted = _wanted_message(site, event)
+        if pinned is not _MISSING and not set(_warned(site, values[0], wanted)) <= set(
+            _warned(site, pinned, wanted)
         ):
             return Judgement(
                 "failed", detail=f"{site.id}: another warning class than the gold run's"

@@ -587,6 +587,7 @@ class _Rewriter(ast.NodeTransformer):
             elif name in ("pytest.raises", "raises", "pytest.warns"):
                 message = next((k.value for k in cm.keywords if k.arg == "match"), None)
                 extra["match"] = "regex"
+            computed: list[ast.expr] = []
             if message is not None:
                 try:
                     text = literal(message, self.bound, self.approx)
@@ -594,6 +595,14 @@ class _Rewriter(ast.NodeTransformer):
                     text = None
                 if type(text) is str:
                     extra["message"] = text
+                else:
+                    # A message the test computes (a name bound twice, a class attribute):
+                    # evaluated by the test, sent as an operand and pinned to the gold run's,
+                    # and checked by the judge (round 39: a library that made Django's own
+                    # message check a no-op passed a wrong message).
+                    extra["computed"] = True
+                    computed = [message]
+                if type(text) is str or computed:
                     if name in ("pytest.raises", "raises", "pytest.warns"):
                         cm.keywords = [k for k in cm.keywords if k.arg != "match"]
                     else:
@@ -605,7 +614,7 @@ class _Rewriter(ast.NodeTransformer):
                         cm.args = cm.args[:1]
             op = "warns" if warns else "raises"
             self.sites[sid] = Site(sid, op, [(False, None)], types=names, extra=extra)
-            item.context_expr = _call(op, ast.Constant(sid), cm)
+            item.context_expr = _call(op, ast.Constant(sid), cm, *computed)
         return node
 
 
