@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -239,94 +240,82 @@ def _quiet_helper():
 """
 
 
+def _gold_fix_that_breaks(
+    task_id: str, path: str, edit: Callable[[str], str], broken: str, tmp_path: Path
+) -> None:
+    """The gold fix on ``task_id`` with ``edit`` made to ``path`` too, graded on Docker: 0.0,
+    the ``PASS_TO_PASS`` test named ``broken`` failed; and 1.0 where assertions are judged in
+    process (the control: there the repository's own helper decides)."""
+    import asyncio
+
+    from conftest import grade_patch
+
+    from legorl.sandbox import make_backend
+    from legorl.verify import VerifyConfig
+
+    _need("docker")
+    task = next(t for t in _tasks("django") if t.instance_id == task_id)
+    name = next(t for t in task.PASS_TO_PASS if t.startswith(broken + " "))
+    repo = checkout(task, SUITE, tmp_path / "repo")
+    apply_patch(repo, task.patch)
+    (repo / path).write_text(edit((repo / path).read_text()))
+    patch = subprocess.run(
+        ["git", "diff"], cwd=repo, capture_output=True, text=True, check=True
+    ).stdout
+
+    def graded(off: frozenset[str]) -> Trajectory:
+        config = VerifyConfig(defences_off=off)
+        run = grade_patch(
+            task, patch, backend=make_backend("docker"), tasks_dir=str(SUITE), config=config
+        )
+        return asyncio.run(run)
+
+    got = graded(frozenset())
+    assert got.reward == 0.0, got.verdict
+    assert got.verdict["tests"][name] != "passed"
+    control = graded(frozenset({"judge_assertions"}))
+    assert control.reward == 1.0, control.verdict
+
+
 def test_a_warning_the_test_checks_is_judged_by_the_judge_not_the_repositorys_helper(
     tmp_path: Path,
 ) -> None:
     # Round 38: library code made Django's ``assertWarnsMessage`` a no-op and removed the
     # warning it checks; the test's one assertEqual is judged out of process, so it passed
     # (1.0 with the behaviour broken). The block's warnings are now recorded by the operand
-    # sender and judged against the gold run's; the control is the grader with assertions
-    # judged in process, where the helper decides.
-    import asyncio
+    # sender and judged against the gold run's.
+    def edit(source: str) -> str:
+        warn = source.index("    if not (args or kwargs):\n")
+        end = source.index("args_safe = map(", warn)
+        return source[:warn] + "    _quiet_helper()\n    " + source[end:] + _WARNING_GONE
 
-    from conftest import grade_patch
-
-    from legorl.sandbox import make_backend
-    from legorl.verify import VerifyConfig
-
-    _need("docker")
-    task = next(t for t in _tasks("django") if t.instance_id == "django__django-real-1")
-    repo = checkout(task, SUITE, tmp_path / "repo")
-    apply_patch(repo, task.patch)
-    html = repo / "django" / "utils" / "html.py"
-    source = html.read_text()
-    warn = source.index("    if not (args or kwargs):\n")
-    end = source.index("args_safe = map(", warn)
-    source = source[:warn] + "    _quiet_helper()\n    " + source[end:] + _WARNING_GONE
-    html.write_text(source)
-    patch = subprocess.run(
-        ["git", "diff"], cwd=repo, capture_output=True, text=True, check=True
-    ).stdout
-
-    def graded(off: frozenset[str]) -> Trajectory:
-        config = VerifyConfig(defences_off=off)
-        run = grade_patch(
-            task, patch, backend=make_backend("docker"), tasks_dir=str(SUITE), config=config
-        )
-        return asyncio.run(run)
-
-    got = graded(frozenset())
-    assert got.reward == 0.0, got.verdict
-    name = next(t for t in task.PASS_TO_PASS if t.startswith("test_format_html_no_params "))
-    assert got.verdict["tests"][name] != "passed"
-    control = graded(frozenset({"judge_assertions"}))
-    assert control.reward == 1.0, control.verdict
+    _gold_fix_that_breaks(
+        "django__django-real-1",
+        "django/utils/html.py",
+        edit,
+        "test_format_html_no_params",
+        tmp_path,
+    )
 
 
 def test_a_message_the_test_computes_is_checked_by_the_judge(tmp_path: Path) -> None:
     # Round 39: `assertRaisesMessage(E, msg)` with `msg` bound twice in the test is no literal
     # the judge holds, so only Django's helper checked the message, in process; the library
     # made `SimpleTestCase.assertIn` a no-op and raised another message. The message the test
-    # computes is now sent, pinned to the gold run's and checked by the judge; the control is
-    # the grader with assertions judged in process.
-    import asyncio
-
-    from conftest import grade_patch
-
-    from legorl.sandbox import make_backend
-    from legorl.verify import VerifyConfig
-
-    _need("docker")
-    task = next(t for t in _tasks("django") if t.instance_id == "django__django-real-4")
-    assert any(t.startswith("test_get_valid_filename ") for t in task.PASS_TO_PASS)
-    repo = checkout(task, SUITE, tmp_path / "repo")
-    apply_patch(repo, task.patch)
-    text = repo / "django" / "utils" / "text.py"
-    source = text.read_text()
+    # computes is now sent, pinned to the gold run's and checked by the judge.
     old = """        raise SuspiciousFileOperation("Could not derive file name from '%s'" % name)"""
-    assert old in source
     new = """        from django.test.testcases import SimpleTestCase
 
         SimpleTestCase.assertIn = lambda self, member, container, msg=None: None
         raise SuspiciousFileOperation("Invalid file name.")"""
-    text.write_text(source.replace(old, new))
-    patch = subprocess.run(
-        ["git", "diff"], cwd=repo, capture_output=True, text=True, check=True
-    ).stdout
 
-    def graded(off: frozenset[str]) -> Trajectory:
-        config = VerifyConfig(defences_off=off)
-        run = grade_patch(
-            task, patch, backend=make_backend("docker"), tasks_dir=str(SUITE), config=config
-        )
-        return asyncio.run(run)
+    def edit(source: str) -> str:
+        assert old in source
+        return source.replace(old, new)
 
-    got = graded(frozenset())
-    assert got.reward == 0.0, got.verdict
-    name = next(t for t in task.PASS_TO_PASS if t.startswith("test_get_valid_filename "))
-    assert got.verdict["tests"][name] != "passed"
-    control = graded(frozenset({"judge_assertions"}))
-    assert control.reward == 1.0, control.verdict
+    _gold_fix_that_breaks(
+        "django__django-real-4", "django/utils/text.py", edit, "test_get_valid_filename", tmp_path
+    )
 
 
 def _django_check(task: Task, work: Path) -> list[str]:

@@ -404,21 +404,15 @@ def holds(site: Site, values: list[Any], event: Event) -> bool:
             if a_id is None or b_id is None:
                 return False
             return (a_id == b_id) == (op == "same")
+        wanted = _wanted_message(site, event) if op in _COMPUTED_AT else _MISSING
         if op == "raises" and _checks_message(site):
             said = event.values[1] if len(event.values) > 1 else _MISSING
-            wanted = _wanted_message(site, event)
-            if type(said) is not str or type(wanted) is not str:
-                return False
-            if site.extra.get("match") == "contains":
-                if wanted not in said:
-                    return False
-            elif not _bounded_search(wanted, said):
+            if not _message_meets(site, wanted, said):
                 return False
         if op == "warns":
-            wanted = _wanted_message(site, event)
-            return _checks_message(site) <= (type(wanted) is str) and bool(
-                _warned(site, values[0], wanted)
-            )
+            if _checks_message(site) and type(wanted) is not str:
+                return False
+            return bool(_warned(site, values[0], wanted))
         if op in _BY_TYPE:
             types = event.types[0] if event.types else None
             if types is None:
@@ -501,6 +495,16 @@ def _wanted_message(site: Site, event: Event) -> Any:
     return _MISSING
 
 
+def _message_meets(site: Site, wanted: Any, said: Any) -> bool:
+    """Whether a raised or warned message ``said`` meets the site's check of ``wanted``: a
+    part of it (Django's ``…Message``) or a pattern found in it (``…Regex``, ``match=``)."""
+    if type(said) is not str or type(wanted) is not str:
+        return False
+    if site.extra.get("match") == "contains":
+        return wanted in said
+    return _bounded_search(wanted, said)
+
+
 def _warned(site: Site, said: Any, message: Any = _MISSING) -> list[tuple[str, str]]:
     """The classes (module, qualname) of the warnings a ``warns`` site's block gave that meet
     it: of a class it names (by the last part, as ``raises``), with ``message`` where the site
@@ -522,12 +526,8 @@ def _warned(site: Site, said: Any, message: Any = _MISSING) -> list[tuple[str, s
             for n in names
         ):
             continue
-        if type(message) is str:
-            if site.extra.get("match") == "contains":
-                if message not in text:
-                    continue
-            elif not _bounded_search(message, text):
-                continue
+        if type(message) is str and not _message_meets(site, message, text):
+            continue
         found.append((str(names[0][0]), str(names[0][1])))
     return found
 
@@ -795,13 +795,13 @@ def _event_failure(
         if event.ok is not True:
             return Judgement("failed", detail=f"{site.id}: failed (judged in process)")
         return False
-    count = len(event.values)
-    if site.op in _COMPUTED_AT:  # the outcome (raises: the class, then the message), and the
-        fits = count == _COMPUTED_AT[site.op] + bool(site.extra.get("computed"))  # computed one
-        fits = fits or (site.op == "raises" and count == 1 and not site.extra.get("computed"))
+    # A raises or warns event: the block's outcome (raises: the class, then the message), and
+    # the message the test computed where it computes one.
+    if site.op in _COMPUTED_AT:
+        fits = _COMPUTED_AT[site.op] + bool(site.extra.get("computed"))
     else:
-        fits = count == len(site.held)
-    if not fits:
+        fits = len(site.held)
+    if len(event.values) != fits:
         return Judgement("failed", detail=f"{site.id}: the event's operands do not fit the site")
     values: list[Any] = []
     for i, ((is_held, held_value), value, was_plain) in enumerate(

@@ -23,8 +23,8 @@ plugins are loaded from its installed distributions' entry points before the rep
 module name; repository modules the environment also has are named in a ``shadowed`` record.
 ``unittest`` mode puts our result recorder in place (`unittest_report.py`), then runs the
 runner script (or module) with ``runpy`` as ``__main__``, the script's folder first on
-``sys.path`` (where Python puts it) and the repository last; its ``SystemExit`` status goes into the finish record. The process
-exits with the runner's own exit status.
+``sys.path`` (where Python puts it) and the repository last; its ``SystemExit`` status goes
+into the finish record. The process exits with the runner's own exit status.
 """
 
 import importlib.util

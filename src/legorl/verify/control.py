@@ -10,8 +10,8 @@ grades (reward 0.0 or 1.0), the environment works and the candidate's failure wa
 doing: reward 0.0, its flags kept, plus ``grading_failed`` and the reason. Only when the control
 fails as well does the null stand. One control per task and environment per batch, shared by
 every trajectory that needs it while it runs and after it grades; one that failed is run again
-for a trajectory that needs it later. Trajectories whose own status is an environment failure never
-reach this (``verify()`` passes them through).
+for a trajectory that needs it later. Trajectories whose own status is an environment failure
+never reach this (``verify()`` passes them through).
 """
 
 from __future__ import annotations

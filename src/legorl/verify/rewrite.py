@@ -576,15 +576,15 @@ class _Rewriter(ast.NodeTransformer):
             except _NotLiteral:
                 continue
             extra: dict[str, Any] = {}
-            # The message the block's exception must carry, a literal: held by the judge, and
-            # the wrapped manager made without it (it only checks the class then).
+            # The message the block's exception or warning must carry: a literal is held by
+            # the judge, one the test computes is sent beside the outcome; either way the
+            # wrapped manager is made without it (it only checks the class then).
             message = None
-            if last in ("assertRaisesMessage", "assertRaisesRegex", "assertRaisesRegexp") or (
-                last in ("assertWarnsMessage", "assertWarnsRegex")
-            ):
+            by_pytest = name in ("pytest.raises", "raises", "pytest.warns")
+            if last in (RAISES | WARNS) - {"assertRaises", "assertWarns"}:
                 message = cm.args[1] if len(cm.args) > 1 else None
                 extra["match"] = "contains" if last.endswith("Message") else "regex"
-            elif name in ("pytest.raises", "raises", "pytest.warns"):
+            elif by_pytest:
                 message = next((k.value for k in cm.keywords if k.arg == "match"), None)
                 extra["match"] = "regex"
             computed: list[ast.expr] = []
@@ -603,7 +603,7 @@ class _Rewriter(ast.NodeTransformer):
                     extra["computed"] = True
                     computed = [message]
                 if type(text) is str or computed:
-                    if name in ("pytest.raises", "raises", "pytest.warns"):
+                    if by_pytest:
                         cm.keywords = [k for k in cm.keywords if k.arg != "match"]
                     else:
                         cm.func = ast.Attribute(
