@@ -9,11 +9,12 @@ checked on text.
 from __future__ import annotations
 
 import textwrap
+import time
 
 import pytest
 from conftest import grade_toy, sandbox_backend, toy_task
 
-from legorl.verify.ordinary import LINE, read_pytest, read_unittest
+from legorl.verify.ordinary import LINE, OrdinaryRun, ordinary_run, read_pytest, read_unittest
 
 F2P = "tests/test_geometry.py::test_rectangle_area_non_square"
 
@@ -137,3 +138,71 @@ def test_the_ordinary_run_is_confined_as_the_judged_run_is(
     control = grade_toy(FIX_WHERE_CAPPED, backend=backend)
     assert control.reward == 0.0, control.verdict
     assert "ordinary_failed" in control.hack_flags
+
+
+#: A patch whose test command runs past any test's patience: the function under test starts a
+#: child that sleeps, marked so that the host's process table shows whether it outlived its run.
+_MARK = "4242.4242"
+SLOW = textwrap.dedent(
+    f"""\
+    diff --git a/geometry.py b/geometry.py
+    --- a/geometry.py
+    +++ b/geometry.py
+    @@ -6,2 +6,4 @@ def rectangle_area(width, height):
+         \"\"\"Return the area of a width x height rectangle.\"\"\"
+    +    import os
+    +    os.system("sleep {_MARK}")
+         return width + height
+    """
+)
+
+
+def _marked() -> list[int]:
+    from pathlib import Path
+
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and _MARK.encode() in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.parametrize("backend", ["docker", "local"])
+def test_an_ordinary_run_no_longer_wanted_stops_and_leaves_nothing(backend: str) -> None:
+    """``grade()`` starts the ordinary run beside the judged run and settles ``wanted`` when the
+    judge has spoken: False stops its command (a process that would sleep for hours) and
+    closes its sandbox (True, which waits for the run and reads it, is every passing grading's
+    path: the tests above)."""
+    import asyncio
+
+    from conftest import TOY_TASKS
+
+    from legorl.verify.specs import resolve
+
+    task = toy_task()
+    box = sandbox_backend(backend)
+
+    async def run() -> OrdinaryRun:
+        wanted: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        going = asyncio.ensure_future(
+            ordinary_run(
+                task, SLOW, backend=box, tasks_dir=str(TOY_TASKS), run_id="legorl-test-stop",
+                timeout=3600, limits=None, runners=resolve(task).runner_paths(), wanted=wanted,
+            )
+        )  # fmt: skip
+        while not _marked():  # the command is running
+            assert not going.done(), going.result()
+            await asyncio.sleep(0.2)
+        wanted.set_result(False)
+        return await going
+
+    stopped = asyncio.run(run())
+    assert stopped.stopped and stopped.exit_code is None and not stopped.error, stopped
+    for _ in range(50):  # the kernel reaps a removed container's processes a moment later
+        if not _marked():
+            break
+        time.sleep(0.2)
+    assert _marked() == []

@@ -268,6 +268,7 @@ async def _ordinary(
     tasks_dir: str,
     run_id: str,
     config: VerifyConfig,
+    wanted: asyncio.Future[bool] | None = None,
 ) -> OrdinaryRun:
     return await ordinary_run(
         task,
@@ -279,6 +280,7 @@ async def _ordinary(
         limits=config.limits,
         runners=resolve(task).runner_paths(),
         defences_off=config.defences_off,
+        wanted=wanted,
     )
 
 
@@ -357,75 +359,94 @@ async def _grade_once(
             | (frozenset({"*"}) if "held_tables" in config.defences_off else frozenset()),
         )
 
-    run = await _judged_run(
-        task,
-        traj.patch,
-        backend=backend,
-        tasks_dir=tasks_dir,
-        run_id=run_id,
-        config=config,
-        runner_paths=runner_paths,
-        plan_for=plan_for,
-    )
-    judged = run.judged
-    if judged is not None:
-        flags.update(judged.flags)
-        verdict["dropped"] = judged.reverted
-        if judged.method is None:
-            why = judged.error if judged.refused else f"the patch does not apply: {judged.error}"
-            verdict.update(patch_apply=None, reason=why)
-            return _done(traj, 0.0, verdict, flags, t0)
-        verdict["patch_apply"] = judged.method
-    if run.error or judged is None or run.test_run is None:
-        verdict["reason"] = run.error or "grading did not run"
-        return _done(traj, None, verdict, flags, t0)
-    clean = judged.diff
-    test_run = run.test_run
-    results = test_run.results
-    if results.forged_lines and not test_run.run.truncated:
-        flags.add("forged_report")
-    # Only required tests have records of their own.
-    printed = printed_passes(test_run.log, {*task.FAIL_TO_PASS, *task.PASS_TO_PASS})
-    # The scans and the judge read what the judged code wrote (up to the diff's and the
-    # stream's caps): linear, and off the event loop, so that other gradings go on meanwhile.
-    writes_results = await asyncio.to_thread(_writes_results, clean)
-    if any(results.outcomes.get(t) != "passed" for t in printed) or writes_results:
-        flags.add("forged_output")
-    if forged_printed(test_run, task):
-        flags.add("forged_output")
-    tests, runner_flags, notes = await asyncio.to_thread(
-        functools.partial(
-            judge,
-            task,
-            test_run,
-            clean,
-            config.defences_off,
-            plan=run.plan,
-            gold=record.gold() if record is not None else None,
+    # The ordinary run starts beside the judged run, so that a pass waits for the longer of
+    # the two, not for both; it is read only for a pass, and stopped as soon as there is none.
+    wanted: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+    ordinary: asyncio.Future[OrdinaryRun] | None = None
+    if record is not None and "ordinary_run" not in config.defences_off:
+        ordinary = asyncio.ensure_future(
+            _ordinary(task, traj.patch, backend, tasks_dir, run_id, config, wanted=wanted)
         )
-    )
-    flags.update(runner_flags)
-    resolved = all(o == "passed" for o in tests.values())
-    if resolved and record is not None and "ordinary_run" not in config.defences_off:
-        # A pass also needs the task's own command, run as the environment runs it.
-        plain = await _ordinary(task, traj.patch, backend, tasks_dir, run_id, config)
-        if plain.error:
-            verdict["reason"] = plain.error
+    try:
+        run = await _judged_run(
+            task,
+            traj.patch,
+            backend=backend,
+            tasks_dir=tasks_dir,
+            run_id=run_id,
+            config=config,
+            runner_paths=runner_paths,
+            plan_for=plan_for,
+        )
+        judged = run.judged
+        if judged is not None:
+            flags.update(judged.flags)
+            verdict["dropped"] = judged.reverted
+            if judged.method is None:
+                why = (
+                    judged.error if judged.refused else f"the patch does not apply: {judged.error}"
+                )
+                verdict.update(patch_apply=None, reason=why)
+                return _done(traj, 0.0, verdict, flags, t0)
+            verdict["patch_apply"] = judged.method
+        if run.error or judged is None or run.test_run is None:
+            verdict["reason"] = run.error or "grading did not run"
             return _done(traj, None, verdict, flags, t0)
-        missing = vetoed(plain, record.ordinary)
-        notes["ordinary"] = {"exit_code": plain.exit_code, "timed_out": plain.timed_out}
-        if plain.unread:
-            notes["ordinary"]["unread"] = plain.unread
-        if missing:
-            flags.add("ordinary_failed")
-            notes["ordinary"]["failed"] = missing[:20]
-            tests = {t: ("failed_ordinarily" if t in missing else o) for t, o in tests.items()}
-            resolved = False
-    verdict.update(resolved=resolved, tests=tests, **notes)
-    if not resolved:
-        bad = sorted(t for t, o in tests.items() if o != "passed")
-        verdict["reason"] = f"{len(bad)} required test(s) did not pass: {', '.join(bad[:5])}"
-    return _done(traj, 1.0 if resolved else 0.0, verdict, flags, t0)
+        clean = judged.diff
+        test_run = run.test_run
+        results = test_run.results
+        if results.forged_lines and not test_run.run.truncated:
+            flags.add("forged_report")
+        # Only required tests have records of their own.
+        printed = printed_passes(test_run.log, {*task.FAIL_TO_PASS, *task.PASS_TO_PASS})
+        # The scans and the judge read what the judged code wrote (up to the diff's and the
+        # stream's caps): linear, and off the event loop, so that other gradings go on meanwhile.
+        writes_results = await asyncio.to_thread(_writes_results, clean)
+        if any(results.outcomes.get(t) != "passed" for t in printed) or writes_results:
+            flags.add("forged_output")
+        if forged_printed(test_run, task):
+            flags.add("forged_output")
+        tests, runner_flags, notes = await asyncio.to_thread(
+            functools.partial(
+                judge,
+                task,
+                test_run,
+                clean,
+                config.defences_off,
+                plan=run.plan,
+                gold=record.gold() if record is not None else None,
+            )
+        )
+        flags.update(runner_flags)
+        resolved = all(o == "passed" for o in tests.values())
+        if resolved and ordinary is not None and record is not None:
+            # A pass also needs the task's own command, run as the environment runs it.
+            wanted.set_result(True)
+            plain = await ordinary
+            if plain.error:
+                verdict["reason"] = plain.error
+                return _done(traj, None, verdict, flags, t0)
+            missing = vetoed(plain, record.ordinary)
+            notes["ordinary"] = {"exit_code": plain.exit_code, "timed_out": plain.timed_out}
+            if plain.unread:
+                notes["ordinary"]["unread"] = plain.unread
+            if missing:
+                flags.add("ordinary_failed")
+                notes["ordinary"]["failed"] = missing[:20]
+                tests = {t: ("failed_ordinarily" if t in missing else o) for t, o in tests.items()}
+                resolved = False
+        verdict.update(resolved=resolved, tests=tests, **notes)
+        if not resolved:
+            bad = sorted(t for t, o in tests.items() if o != "passed")
+            verdict["reason"] = f"{len(bad)} required test(s) did not pass: {', '.join(bad[:5])}"
+        return _done(traj, 1.0 if resolved else 0.0, verdict, flags, t0)
+    finally:
+        if not wanted.done():
+            wanted.set_result(False)
+        if ordinary is not None:
+            await asyncio.wait({ordinary})
+            if not ordinary.cancelled():
+                ordinary.exception()  # retrieved: an unwanted run's failure is no one's
 
 
 def printed_passes(log: str, required: set[str]) -> set[str]:

@@ -1,7 +1,10 @@
 """The ordinary run: the task's own test command, run as the task's environment runs it, whose
-outcome a pass also needs. Called by ``grade()`` once the judged run passes:
+outcome a pass also needs. ``grade()`` starts it beside the judged run and settles ``wanted``
+once the judge has spoken: True, and the run is read; False, and its command is stopped (or
+never started) and its sandbox closed:
 
-    run = await ordinary_run(task, patch, backend=…, tasks_dir=…, run_id=…, config=…, runners=…)
+    run = await ordinary_run(task, patch, backend=…, tasks_dir=…, run_id=…, config=…,
+                             runners=…, wanted=verdict_future)
     failing = vetoed(run.passed, record.ordinary)   # required tests the gold passes here, not it
 
 The judged run (`runner.py`) is recognisable to code that looks: through our bootstrap, with
@@ -20,13 +23,15 @@ tell of the judged run.
 The ordinary run can only take a pass away, never give one: its outcomes are read from what
 it printed (pytest's ``-rA`` summary, unittest's verbose lines, or the task's official parser,
 capped), which the code under test could forge, so a forgery there gains nothing the judged
-run has not already granted. It is not run for a candidate the judged run failed.
+run has not already granted. Its outcome is never read for a candidate the judged run failed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from dataclasses import dataclass, field
+from typing import Any
 
 from legorl.protocols import Limits, Sandbox, SandboxBackend, SandboxError
 from legorl.records import Task
@@ -49,6 +54,7 @@ class OrdinaryRun:
     unread: str = ""  # why what it printed gave no reading (a parser's cap: the run's doing)
     exit_code: int | None = None
     timed_out: bool = False
+    stopped: bool = False  # not wanted: its command was stopped or never started
 
     @property
     def passed(self) -> set[str]:
@@ -119,9 +125,13 @@ async def ordinary_run(
     limits: Limits | None,
     runners: frozenset[str],
     defences_off: frozenset[str] = frozenset(),
+    wanted: asyncio.Future[bool] | None = None,
 ) -> OrdinaryRun:
     """The task's own command on ``patch`` (judged as a tree the same way) and its test_patch,
-    in a fresh ordinary sandbox, read back; the sandbox is closed after."""
+    in a fresh ordinary sandbox, read back; the sandbox is closed after. ``wanted``: when it
+    settles False before the command ends, the command is stopped and the run comes back
+    ``stopped`` (the sandbox's start and the patches' steps always finish: a start cut short
+    would leave its container behind)."""
     out = OrdinaryRun()
     sandbox: Sandbox | None = None
     try:
@@ -144,9 +154,25 @@ async def ordinary_run(
         if applied is None:
             out.error = f"the task's test_patch does not apply: {error}"
             return out
-        run = await sandbox.exec(
-            ["sh", "-c", grader.command], timeout=timeout, cwd=sandbox.workdir, judged=True
+        if wanted is not None and wanted.done() and not wanted.result():
+            out.stopped = True
+            return out
+        command = asyncio.ensure_future(
+            sandbox.exec(
+                ["sh", "-c", grader.command], timeout=timeout, cwd=sandbox.workdir, judged=True
+            )
         )
+        if wanted is not None:
+            either: set[asyncio.Future[Any]] = {command, wanted}
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            if not command.done() and not wanted.result():
+                # Cancelled, the local backend kills the command's process group; Docker's
+                # goes with the container when the sandbox closes, below.
+                command.cancel()
+                await asyncio.wait({command})
+                out.stopped = True
+                return out
+        run = await command
         out.exit_code, out.timed_out = run.exit_code, run.timed_out
         out.outcomes, unread = await read(grader, run.output, task)
         out.unread = unread or ""
