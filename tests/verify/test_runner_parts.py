@@ -280,6 +280,52 @@ def test_a_raised_message_is_checked_by_the_judge_not_the_tests_manager(tmp_path
     assert verdicts[key].outcome == "passed", verdicts[key]
 
 
+def test_a_raises_check_in_its_call_form_is_judged_as_its_block(tmp_path: Path) -> None:
+    # Round 40 (named, not built): ``assertRaises(E, f, *args)`` and ``pytest.raises(E, f,
+    # *args)`` as statements were decided in the judged process, by managers library code can
+    # replace. They are now the blocks they mean, ``with assertRaises(E): f(*args)``, judged as
+    # any raises block: the candidate below keeps the bug (nothing raised) and makes both
+    # managers accept anything.
+    tests = """
+        import unittest
+
+        import pytest
+        from lib import area
+
+
+        def test_raises():
+            pytest.raises(ValueError, area, -1, h=2)
+
+
+        class TestUnit(unittest.TestCase):
+            def test_equal(self):
+                self.assertRaisesRegex(ValueError, "neg", area, -1, 2)
+                self.assertEqual(area(2, 5), 10)
+    """
+    gold = GOLD.replace(
+        "    return", "    if w < 0:\n        raise ValueError('negative width')\n    return"
+    )
+    candidate = (
+        "import contextlib, unittest, pytest\n"
+        "def _any(*args, **kwargs):\n"
+        "    return contextlib.nullcontext()\n"
+        "pytest.raises = _any\n"
+        "unittest.TestCase.assertRaisesRegex = lambda self, *a, **k: _any()\n"
+        "unittest.TestCase.assertRaises = lambda self, *a, **k: _any()\n" + GOLD
+    )
+    keys = [f"{TESTS}::test_raises", f"{TESTS}::TestUnit::test_equal"]
+    verdicts, outcomes = _judge(tmp_path / "forged", candidate, tests, gold)
+    for key in keys:
+        assert outcomes[key] == "passed"  # the control: the in-process outcome is fooled
+        assert verdicts[key].outcome == "failed", verdicts[key]
+    verdicts, _ = _judge(tmp_path / "gold", gold, tests, gold)
+    assert [verdicts[k].outcome for k in keys] == ["passed", "passed"], verdicts
+    # The message is the judge's too: the right class with another message fails.
+    other = gold.replace("'negative width'", "'bad'")
+    verdicts, _ = _judge(tmp_path / "other", other, tests, gold)
+    assert verdicts[keys[1]].outcome == "failed", verdicts[keys[1]]
+
+
 def test_what_a_tests_callable_did_is_pinned_not_its_helpers_verdict(tmp_path: Path) -> None:
     # Round 16: toolz's tests check errors through a helper of the library's own
     # (``assert raises(TypeError, lambda: diff())``), a truth check whose True the patched
