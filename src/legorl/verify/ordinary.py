@@ -130,10 +130,15 @@ async def ordinary_run(
     """The task's own command on ``patch`` (judged as a tree the same way) and its test_patch,
     in a fresh ordinary sandbox, read back; the sandbox is closed after. ``wanted``: when it
     settles False before the command ends, the command is stopped and the run comes back
-    ``stopped`` (the sandbox's start and the patches' steps always finish: a start cut short
-    would leave its container behind)."""
+    ``stopped``; between the steps before it, the run stops at the next step (a step is never
+    cut short: a start cut short would leave its container behind)."""
     out = OrdinaryRun()
     sandbox: Sandbox | None = None
+
+    def unwanted() -> bool:
+        out.stopped = wanted is not None and wanted.done() and not wanted.result()
+        return out.stopped
+
     try:
         grader = resolve(task)
         sandbox = await backend.start(
@@ -144,18 +149,21 @@ async def ordinary_run(
             limits=limits,
             grading=True,
         )
+        if unwanted():
+            return out
         judged = await apply_model_patch(
             sandbox, task, patch, defences_off=defences_off, runners=runners
         )
         if judged.method is None:  # it applied for the judged run: this run's failure
             out.error = f"the patch does not apply: {judged.error}"
             return out
+        if unwanted():
+            return out
         applied, error = await apply_test_patch(sandbox, task, defences_off=defences_off)
         if applied is None:
             out.error = f"the task's test_patch does not apply: {error}"
             return out
-        if wanted is not None and wanted.done() and not wanted.result():
-            out.stopped = True
+        if unwanted():
             return out
         command = asyncio.ensure_future(
             sandbox.exec(
