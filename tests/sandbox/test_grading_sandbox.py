@@ -461,3 +461,77 @@ def test_the_judged_command_runs_the_tests(backend: Any, grading: bool) -> None:
         assert r.exit_code == 0 and "passed" in r.output, r.output
 
     run(go())
+
+
+#: Puts a key in the judged user's kernel keyring (``put``), or finds, reads and removes it
+#: (``get``); prints the call's result and errno, and what it read.
+_KEYRING_PROBE = r"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+calls = {"x86_64": (248, 250), "aarch64": (217, 219)}[os.uname().machine]
+add_key, keyctl = calls
+USER, desc = -4, sys.argv[2].encode()
+libc.syscall.restype = ctypes.c_long
+if sys.argv[1] == "put":
+    r = libc.syscall(add_key, b"user", desc, b"the expected value", 18, USER)
+    print(r, ctypes.get_errno(), "")
+else:
+    kid = libc.syscall(keyctl, 10, USER, b"user", desc, 0)  # KEYCTL_SEARCH
+    err = ctypes.get_errno()
+    data = b""
+    if kid >= 0:
+        buf = ctypes.create_string_buffer(64)
+        n = libc.syscall(keyctl, 11, kid, buf, 64)  # KEYCTL_READ
+        data = buf.raw[:max(n, 0)]
+        libc.syscall(keyctl, 9, kid, USER)  # KEYCTL_UNLINK: the test leaves nothing behind
+    print(kid, err, data.decode())
+"""
+
+
+def test_judged_commands_of_two_sandboxes_share_no_kernel_keyring(
+    backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Round 41 (local backend): the judged user of every sandbox is one host uid, and the
+    # kernel keeps one user keyring per uid, which no namespace separates and which outlives
+    # the sandbox. One grading's ordinary run put the test's expected values there, and the
+    # judged run read them. Docker's default seccomp profile refuses the key calls; the local
+    # backend's judged commands get a filter that does the same (`sandbox/seccomp.py`).
+    import errno
+    import secrets
+
+    from legorl.sandbox import local_backend, seccomp
+
+    desc = f"legorl-test-{secrets.token_hex(4)}"
+
+    async def go() -> tuple[list[str], list[str]]:
+        one = await _start(backend, grading=True)
+        two = await _start(backend, grading=True)
+        try:
+            put = await _ok(one, ["python", "-c", _KEYRING_PROBE, "put", desc], judged=True)
+            got = await _ok(two, ["python", "-c", _KEYRING_PROBE, "get", desc], judged=True)
+        finally:
+            await one.close()
+            await two.close()
+        return put.split(" ", 2), got.split(" ", 2)
+
+    put, got = run(go())
+    assert (int(put[0]), int(put[1])) == (-1, errno.EPERM), put
+    assert int(got[0]) == -1 and got[2].strip() == "", got
+    if backend.name != "local":
+        return
+    # The control: the local backend's judged commands with a filter that allows every call.
+    allow = seccomp.struct.pack("=HBBI", 0x06, 0, 0, seccomp.ALLOW).hex()
+    monkeypatch.setattr(local_backend, "_judged_filter", lambda: allow)
+    put, got = run(go())
+    assert int(put[0]) > 0, put
+    assert got[2].strip() == "the expected value", got
+
+
+def test_the_keyring_filter_is_known_per_machine_and_refused_elsewhere() -> None:
+    from legorl.sandbox import seccomp
+
+    for machine in seccomp.KEYRING_CALLS:
+        program = seccomp.keyring_filter(machine)
+        assert len(program) % 8 == 0 and len(program) // 8 <= 32
+    with pytest.raises(ValueError, match="riscv64"):
+        seccomp.keyring_filter("riscv64")

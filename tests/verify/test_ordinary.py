@@ -171,11 +171,12 @@ def _marked() -> list[int]:
 
 
 @pytest.mark.parametrize("backend", ["docker", "local"])
-def test_an_ordinary_run_no_longer_wanted_stops_and_leaves_nothing(backend: str) -> None:
-    """``grade()`` starts the ordinary run beside the judged run and settles ``wanted`` when the
-    judge has spoken: False stops its command (a process that would sleep for hours) and
-    closes its sandbox (True, which waits for the run and reads it, is every passing grading's
-    path: the tests above)."""
+def test_the_ordinary_runs_command_waits_for_the_judged_verdict(backend: str) -> None:
+    """``grade()`` makes the ordinary run's sandbox beside the judged run; its command (here,
+    one that would sleep for an hour) runs only once ``wanted`` settles True, which ``grade()``
+    does after the judged run's sandbox is gone (round 41: overlapping, the two runs of one
+    grading shared a kernel keyring, and the ordinary run handed the judged run the test's
+    expected values). False: the command never runs."""
     import asyncio
 
     from conftest import TOY_TASKS
@@ -185,22 +186,32 @@ def test_an_ordinary_run_no_longer_wanted_stops_and_leaves_nothing(backend: str)
     task = toy_task()
     box = sandbox_backend(backend)
 
-    async def run() -> OrdinaryRun:
+    async def run(settle: bool, timeout: float) -> tuple[OrdinaryRun, bool]:
         wanted: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         going = asyncio.ensure_future(
             ordinary_run(
-                task, SLOW, backend=box, tasks_dir=str(TOY_TASKS), run_id="legorl-test-stop",
-                timeout=3600, limits=None, runners=resolve(task).runner_paths(), wanted=wanted,
+                task, SLOW, backend=box, tasks_dir=str(TOY_TASKS), run_id="legorl-test-wait",
+                timeout=timeout, limits=None, runners=resolve(task).runner_paths(),
+                wanted=wanted,
             )
         )  # fmt: skip
-        while not _marked():  # the command is running
-            assert not going.done(), going.result()
+        ran_early = False
+        for _ in range(40):  # the sandbox made and the patches applied meanwhile
+            await asyncio.sleep(0.25)
+            ran_early = ran_early or bool(_marked())
+        wanted.set_result(settle)
+        seen = False
+        while not going.done():
+            seen = seen or bool(_marked())
             await asyncio.sleep(0.2)
-        wanted.set_result(False)
-        return await going
+        assert not ran_early
+        return going.result(), seen
 
-    stopped = asyncio.run(run())
+    stopped, seen = asyncio.run(run(False, 3600))
     assert stopped.stopped and stopped.exit_code is None and not stopped.error, stopped
+    assert not seen
+    ran, seen = asyncio.run(run(True, 8))
+    assert seen and ran.timed_out and not ran.stopped, ran
     for _ in range(50):  # the kernel reaps a removed container's processes a moment later
         if not _marked():
             break

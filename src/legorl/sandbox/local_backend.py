@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from legorl.protocols import READ_LIMIT, ExecResult, FileTooLarge, Limits, SandboxError
-from legorl.sandbox import cgroups, tree_probe
+from legorl.sandbox import cgroups, seccomp, tree_probe
 from legorl.sandbox.common import (
     BASE_PATH,
     ENV_DIR,
@@ -73,6 +73,15 @@ from legorl.sandbox.relay import FORWARDER, Relay, inside_port, open_relay, spli
 from legorl.sandbox.repo import scrubbed_repo
 from legorl.sandbox.runtime import RuntimeSources, local_layout, runtime_layer
 
+
+def _judged_filter() -> str:
+    """The judged commands' seccomp filter for this machine, in hex (`seccomp.py`)."""
+    try:
+        return seccomp.keyring_filter(os.uname().machine).hex()
+    except ValueError as exc:
+        raise SandboxError(f"the local backend cannot confine a judged command: {exc}") from None
+
+
 #: Host folders every sandbox sees read-only (merged-/usr symlinks are recreated as links).
 HOST_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
 
@@ -80,7 +89,8 @@ HOST_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/
 #: from the repository or the environment is read) as root in a bubblewrap without a user
 #: namespace, holding only CAP_SETUID, CAP_SETGID and CAP_SETPCAP: the bounding set emptied,
 #: groups dropped, uid and gid set (which clears the permitted, effective and ambient sets),
-#: the inheritable set cleared, then the command. bwrap's own ``--uid`` needs a user
+#: the inheritable set cleared, the seccomp filter of ``seccomp.py`` installed (argv[2], its
+#: instructions in hex: the kernel keyring out of reach), then the command. bwrap's own ``--uid`` needs a user
 #: namespace, and there it maps the judged uid onto the caller's: run by root, the judged
 #: command would own every root-owned file (a 0700 folder of the grader's in /tmp included).
 _BECOME_JUDGED = r"""
@@ -98,14 +108,23 @@ os.setresuid(uid, uid, uid)
 header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
 if libc.capset(header, (ctypes.c_uint32 * 6)()) != 0:
     sys.exit("legorl: cannot clear the capability sets")
-exe = sys.argv[2]
+code = bytes.fromhex(sys.argv[2])
+program = ctypes.create_string_buffer(code, len(code))
+class Fprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+fprog = Fprog(len(code) // 8, ctypes.cast(program, ctypes.c_void_p))
+if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+    sys.exit("legorl: cannot set no_new_privs")
+if libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+    sys.exit("legorl: cannot install the seccomp filter")
+exe = sys.argv[3]
 if "/" not in exe:  # looked up here: os.execvp would import modules lazily
     found = [f"{d}/{exe}" for d in os.environ.get("PATH", "").split(":") if d]
     exe = next((p for p in found if os.path.isfile(p) and os.access(p, os.X_OK)), exe)
 try:
-    os.execv(exe, sys.argv[2:])
+    os.execv(exe, sys.argv[3:])
 except OSError as exc:
-    print(f"legorl: {sys.argv[2]}: {exc.strerror}", file=sys.stderr)
+    print(f"legorl: {sys.argv[3]}: {exc.strerror}", file=sys.stderr)
     sys.exit(127)
 """
 
@@ -484,7 +503,10 @@ class LocalSandbox:
         head = self._head
         if judged:
             head = self._judged_head
-            become = [self._interpreter, "-I", "-S", "-c", _BECOME_JUDGED, str(JUDGED_UID)]
+            become = [
+                self._interpreter, "-I", "-S", "-c", _BECOME_JUDGED, str(JUDGED_UID),
+                _judged_filter(),
+            ]  # fmt: skip
             argv = [*become, *argv]
         full = [*head, *self._flags, *extra, *self._last, "--chdir", cwd or WORKDIR, "--", *argv]
         prelude = []

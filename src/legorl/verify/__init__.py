@@ -359,8 +359,8 @@ async def _grade_once(
             | (frozenset({"*"}) if "held_tables" in config.defences_off else frozenset()),
         )
 
-    # The ordinary run starts beside the judged run, so that a pass waits for the longer of
-    # the two, not for both; it is read only for a pass, and stopped as soon as there is none.
+    # The ordinary run's sandbox is made beside the judged run; its command runs only for a
+    # pass, once the judged run's sandbox is gone (`ordinary.py`).
     wanted: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
     ordinary: asyncio.Future[OrdinaryRun] | None = None
     if record is not None and "ordinary_run" not in config.defences_off:

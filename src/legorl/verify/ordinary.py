@@ -1,7 +1,7 @@
 """The ordinary run: the task's own test command, run as the task's environment runs it, whose
 outcome a pass also needs. ``grade()`` starts it beside the judged run and settles ``wanted``
-once the judge has spoken: True, and the run is read; False, and its command is stopped (or
-never started) and its sandbox closed:
+once the judge has spoken: True, and its command runs and is read; False, and its sandbox is
+closed with the command never run:
 
     run = await ordinary_run(task, patch, backend=…, tasks_dir=…, run_id=…, config=…,
                              runners=…, wanted=verdict_future)
@@ -23,7 +23,13 @@ tell of the judged run.
 The ordinary run can only take a pass away, never give one: its outcomes are read from what
 it printed (pytest's ``-rA`` summary, unittest's verbose lines, or the task's official parser,
 capped), which the code under test could forge, so a forgery there gains nothing the judged
-run has not already granted. Its outcome is never read for a candidate the judged run failed.
+run has not already granted. Its command runs only for a candidate the judged run passed, after
+the judged run's sandbox is gone: the ordinary run holds the tests as written, literals and all,
+and no process of the patch's that can see them may run while the judged run does (round 41:
+on the local backend the two runs of one grading shared the judged user's kernel keyring, and
+an ordinary run that overlapped the judged run handed it the test's expected values). Only its
+sandbox's start and the patches' steps, where none of the patch's code runs, overlap the judged
+run.
 """
 
 from __future__ import annotations
@@ -31,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any
 
 from legorl.protocols import Limits, Sandbox, SandboxBackend, SandboxError
 from legorl.records import Task
@@ -54,7 +59,7 @@ class OrdinaryRun:
     unread: str = ""  # why what it printed gave no reading (a parser's cap: the run's doing)
     exit_code: int | None = None
     timed_out: bool = False
-    stopped: bool = False  # not wanted: its command was stopped or never started
+    stopped: bool = False  # not wanted: its command never ran
 
     @property
     def passed(self) -> set[str]:
@@ -128,10 +133,11 @@ async def ordinary_run(
     wanted: asyncio.Future[bool] | None = None,
 ) -> OrdinaryRun:
     """The task's own command on ``patch`` (judged as a tree the same way) and its test_patch,
-    in a fresh ordinary sandbox, read back; the sandbox is closed after. ``wanted``: when it
-    settles False before the command ends, the command is stopped and the run comes back
-    ``stopped``; between the steps before it, the run stops at the next step (a step is never
-    cut short: a start cut short would leave its container behind)."""
+    in a fresh ordinary sandbox, read back; the sandbox is closed after. ``wanted``: the
+    sandbox is made and the patches applied meanwhile (no code of the patch's runs in those
+    steps), and the command runs only once it settles True; False, and the run stops at its
+    next step and comes back ``stopped`` (a step is never cut short: a start cut short would
+    leave its container behind)."""
     out = OrdinaryRun()
     sandbox: Sandbox | None = None
 
@@ -163,24 +169,16 @@ async def ordinary_run(
         if applied is None:
             out.error = f"the task's test_patch does not apply: {error}"
             return out
+        if wanted is not None:
+            await wanted  # the judged run's code has ended: nothing of this run reaches it
         if unwanted():
             return out
-        command = asyncio.ensure_future(
-            sandbox.exec(
-                ["sh", "-c", grader.command], timeout=timeout, cwd=sandbox.workdir, judged=True
-            )
-        )
-        if wanted is not None:
-            either: set[asyncio.Future[Any]] = {command, wanted}
-            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-            if not command.done() and not wanted.result():
-                # Cancelled, the local backend kills the command's process group; Docker's
-                # goes with the container when the sandbox closes, below.
-                command.cancel()
-                await asyncio.wait({command})
-                out.stopped = True
-                return out
-        run = await command
+        # As the environment runs it: Python reads the image's bytecode caches (compiling the
+        # environment afresh under a private prefix cost about 0.4 s a run). It reads no
+        # cache the patch made: the tree judge reverts compiled files, and a source the patch
+        # changed no longer matches its pristine cache.
+        plain = ["env", "-u", "PYTHONPYCACHEPREFIX", "sh", "-c", grader.command]
+        run = await sandbox.exec(plain, timeout=timeout, cwd=sandbox.workdir, judged=True)
         out.exit_code, out.timed_out = run.exit_code, run.timed_out
         out.outcomes, unread = await read(grader, run.output, task)
         out.unread = unread or ""
