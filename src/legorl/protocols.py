@@ -199,8 +199,9 @@ class Sandbox(Protocol):
     The repository is at ``workdir``; its git history is one commit; the network reaches only
     ``proxy_url`` (when one was given at start). ``test_patch`` is never inside.
 
-    ``exec(..., judged=True)`` runs the command as the unprivileged ``JUDGED_UID``
-    (``legorl.sandbox.common``, 65534: "nobody", whose passwd entry images carry) with every
+    ``exec(..., judged=True)`` runs the command as the sandbox's own unprivileged
+    ``judged_uid`` (``legorl.sandbox.common``: drawn per sandbox, so that no per-user kernel
+    state is shared between sandboxes; no passwd entry names it) with every
     capability gone (effective, permitted, inheritable, ambient) and no-new-privileges, so no
     setuid binary or file capability gives any back. Before its first judged command the
     sandbox chowns the repository to that uid (as root, never following a symlink), so the

@@ -23,7 +23,7 @@ from sandbox_fixtures import (  # noqa: F401  (fixtures are found by name)
     task,
 )
 
-from legorl.sandbox.common import JUDGED_DIR_PREFIX, JUDGED_UID
+from legorl.sandbox.common import JUDGED_DIR_PREFIX, JUDGED_UID_BASE
 from legorl.verify import runner
 from legorl.verify.tree import GRADE_DIR
 
@@ -111,7 +111,8 @@ def test_the_judged_user_has_no_privilege_and_fresh_private_folders(backend: Any
             as_root = await _ok(box, "id -u")
         finally:
             await box.close()
-        uid = str(JUDGED_UID)
+        uid = str(box.judged_uid)
+        assert box.judged_uid >= JUDGED_UID_BASE
         assert first[:3] == [uid, uid, uid], first
         caps = dict(line.split(":\t") for line in first[3:8])
         assert caps == {
@@ -259,7 +260,7 @@ def test_root_phase_applies_patches_and_chowns_in_a_grading_sandbox(backend: Any
             await box.close()
         assert head == "0\n# graded\n M geometry.py\n"
         assert owner == "123:456\n"
-        assert after == f"{JUDGED_UID}\n" and content == b"judged\nroot\n"
+        assert after == f"{box.judged_uid}\n" and content == b"judged\nroot\n"
 
     run(go())
 
@@ -308,7 +309,7 @@ def test_what_a_judged_command_writes_is_capped_in_memory_not_on_disk(
         try:
             if grading:
                 await box.exec(
-                    ["chown", "-R", f"{JUDGED_UID}:{JUDGED_UID}", box.workdir], timeout=60
+                    ["chown", "-R", f"{box.judged_uid}:{box.judged_uid}", box.workdir], timeout=60
                 )
             fill = (
                 "head -c 64M /dev/zero > fill; echo rc=$?; wc -c < fill; "
@@ -378,7 +379,8 @@ def test_a_grading_sandbox_holds_a_bounded_share_of_the_hosts_open_files(
             for judged in [True, False] if grading else [False]:
                 if judged:
                     await box.exec(
-                        ["chown", "-R", f"{JUDGED_UID}:{JUDGED_UID}", box.workdir], timeout=60
+                        ["chown", "-R", f"{box.judged_uid}:{box.judged_uid}", box.workdir],
+                        timeout=60,
                     )
                 said = await _ok(box, ["python", "-c", _FILES_PROBE], judged=judged, timeout=60)
                 out.append(said.split()[-3:])
@@ -413,7 +415,9 @@ def test_a_tree_too_deep_for_rmtree_goes_with_its_sandbox(
     async def go() -> str:
         box = await _start(local_backend, grading=True)
         try:
-            await box.exec(["chown", "-R", f"{JUDGED_UID}:{JUDGED_UID}", box.workdir], timeout=60)
+            await box.exec(
+                ["chown", "-R", f"{box.judged_uid}:{box.judged_uid}", box.workdir], timeout=60
+            )
             for where in ("$TMPDIR", box.workdir):
                 r = await box.exec(["python", "-c", deep, where], judged=True, timeout=300)
                 assert r.exit_code == 0, r.output
@@ -495,13 +499,18 @@ def test_judged_commands_of_two_sandboxes_share_no_kernel_keyring(
     # kernel keeps one user keyring per uid, which no namespace separates and which outlives
     # the sandbox. One grading's ordinary run put the test's expected values there, and the
     # judged run read them. Docker's default seccomp profile refuses the key calls; the local
-    # backend's judged commands get a filter that does the same (`sandbox/seccomp.py`).
+    # backend's judged commands get a filter that does the same (`sandbox/seccomp.py`). Here
+    # the two sandboxes share one judged uid (as every sandbox did then; each has its own now,
+    # the next test), so that the filter alone stands between them.
     import errno
     import secrets
 
-    from legorl.sandbox import local_backend, seccomp
+    from legorl.sandbox import common, docker_backend, local_backend, seccomp
 
     desc = f"legorl-test-{secrets.token_hex(4)}"
+    shared = common.JUDGED_UID_BASE + 11
+    for module in (docker_backend, local_backend):
+        monkeypatch.setattr(module, "judged_uid", lambda: shared)
 
     async def go() -> tuple[list[str], list[str]]:
         one = await _start(backend, grading=True)
@@ -535,3 +544,59 @@ def test_the_keyring_filter_is_known_per_machine_and_refused_elsewhere() -> None
         assert len(program) % 8 == 0 and len(program) // 8 <= 32
     with pytest.raises(ValueError, match="riscv64"):
         seccomp.keyring_filter("riscv64")
+
+
+#: Opens inotify instances: ``hold N S`` holds N for S seconds; ``count`` opens as many as the
+#: kernel lets its user have and prints how many.
+_INOTIFY_PROBE = r"""
+import ctypes, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+fds = []
+while sys.argv[1] == "count" or len(fds) < int(sys.argv[2]):
+    fd = libc.inotify_init1(0)
+    if fd < 0:
+        break
+    fds.append(fd)
+print(len(fds), flush=True)
+if sys.argv[1] == "hold":
+    time.sleep(float(sys.argv[3]))
+"""
+
+
+def test_judged_commands_of_two_sandboxes_share_no_per_user_count(
+    backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Round 42 (Docker): every sandbox's judged user was one host uid, and the kernel counts
+    # some things per user whatever the namespaces (inotify instances, processes, pipe
+    # buffers): one passing trajectory's ordinary run, which holds the tests as written,
+    # signalled their expected values to another trajectory's judged run by holding a number
+    # of inotify instances. Each sandbox now has a uid of its own.
+    import asyncio
+
+    from legorl.sandbox import common, docker_backend, local_backend
+
+    most = int(Path("/proc/sys/fs/inotify/max_user_instances").read_text())
+
+    async def go() -> tuple[int, int]:
+        one = await _start(backend, grading=True)
+        two = await _start(backend, grading=True)
+        try:
+            hold = asyncio.ensure_future(
+                one.exec(["python", "-c", _INOTIFY_PROBE, "hold", "100", "8"], judged=True)
+            )
+            await asyncio.sleep(4)  # held meanwhile
+            counted = await _ok(two, ["python", "-c", _INOTIFY_PROBE, "count"], judged=True)
+            held = (await hold).output
+        finally:
+            await one.close()
+            await two.close()
+        return int(held.split()[0]), int(counted.split()[-1])
+
+    held, counted = run(go())
+    assert held == 100 and counted == most, (held, counted)
+    # The control: the two sandboxes with one judged uid between them, as before.
+    shared = common.JUDGED_UID_BASE + 7
+    for module in (docker_backend, local_backend):
+        monkeypatch.setattr(module, "judged_uid", lambda: shared)
+    held, counted = run(go())
+    assert held == 100 and counted <= most - 100, (held, counted)

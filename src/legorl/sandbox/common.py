@@ -16,6 +16,7 @@ import functools
 import hashlib
 import json
 import os
+import secrets
 import socket
 import threading
 import time
@@ -37,9 +38,24 @@ RELAY_DIR = "/run/legorl"
 #: PATH inside a sandbox (the runtime's bin/ is appended when it is attached).
 BASE_PATH = f"{ENV_DIR}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
-#: The unprivileged user (and group) of judged commands (``Sandbox.exec(judged=True)``):
-#: "nobody", which Debian, Ubuntu and SWE-bench images all name, so ``pwd`` lookups work.
-JUDGED_UID = 65534
+#: The unprivileged users (and groups) of judged commands (``Sandbox.exec(judged=True)``): each
+#: sandbox draws its own from this range (``judged_uid``), which no image or host names. The
+#: kernel keeps per-user state no namespace separates (the keyring, the counts of inotify
+#: instances, processes, pipe buffers and message-queue bytes): one uid for every sandbox was a
+#: channel between sandboxes alive at once (round 42: a passing trajectory's ordinary run, which
+#: holds the tests as written, signalled their expected values to another trajectory's judged
+#: run through the count of inotify instances). A uid of its own leaves a sandbox nothing to
+#: share; the cost is that ``pwd`` knows no name for it (``getpass.getuser()`` reads ``USER``).
+JUDGED_UID_BASE = 1 << 30
+JUDGED_UID_SPAN = 1 << 24
+
+
+def judged_uid() -> int:
+    """A fresh sandbox's judged uid (and gid): drawn at random, so two sandboxes alive at once
+    share one with odds of one in ``JUDGED_UID_SPAN``, which nothing inside either can raise."""
+    return JUDGED_UID_BASE + secrets.randbelow(JUDGED_UID_SPAN)
+
+
 #: The size cap of a grading sandbox's /tmp (a tmpfs).
 GRADING_TMP_MB = 512
 #: The size cap of a grading sandbox's /testbed (a tmpfs the repository is copied into), so

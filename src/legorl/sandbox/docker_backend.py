@@ -48,7 +48,6 @@ from legorl.sandbox.common import (
     GRADING_TMP_MB,
     JUDGED_DIR_PREFIX,
     JUDGED_SUBDIRS,
-    JUDGED_UID,
     RELAY_DIR,
     RUNTIME_DIR,
     WORKDIR,
@@ -58,6 +57,7 @@ from legorl.sandbox.common import (
     classify,
     in_thread,
     judged_env,
+    judged_uid,
     last_used,
     owner_alive,
     owner_tag,
@@ -154,6 +154,7 @@ class DockerSandbox:
         self.backend = backend
         self.grading = grading
         self._judged_ready = False  # the repository is chowned to the judged user
+        self.judged_uid = judged_uid()  # this sandbox's own (`common.JUDGED_UID_BASE`)
         self.api = backend.api
         self.id = name
         self.container_id = container_id
@@ -207,7 +208,7 @@ class DockerSandbox:
         and a fresh private folder for this judged command, empty, mode 0700, its owner."""
         folder = f"/tmp/{JUDGED_DIR_PREFIX}{secrets.token_hex(8)}"
         dirs = [folder, *(f"{folder}/{sub}" for sub in JUDGED_SUBDIRS)]
-        owner = f"{JUDGED_UID}:{JUDGED_UID}"
+        owner = f"{self.judged_uid}:{self.judged_uid}"
         steps = [] if self._judged_ready else [["chown", "-R", "-h", "-P", owner, WORKDIR]]
         steps += [["mkdir", "-m", "0700", *dirs], ["chown", owner, *dirs]]
         script = " && ".join(" ".join(step) for step in steps)
@@ -263,7 +264,7 @@ class DockerSandbox:
                 stdin=stdin is not None,
                 environment=environment,
                 workdir=cwd or WORKDIR,
-                user=f"{JUDGED_UID}:{JUDGED_UID}" if judged else "",
+                user=f"{self.judged_uid}:{self.judged_uid}" if judged else "",
             )
         except Exception as exc:
             raise SandboxError(f"sandbox {self.id}: exec failed: {_short(exc)}") from None

@@ -49,7 +49,6 @@ from legorl.sandbox.common import (
     GRADING_TMP_MB,
     JUDGED_DIR_PREFIX,
     JUDGED_SUBDIRS,
-    JUDGED_UID,
     RELAY_DIR,
     RUNTIME_DIR,
     WORKDIR,
@@ -62,6 +61,7 @@ from legorl.sandbox.common import (
     classify,
     in_thread,
     judged_env,
+    judged_uid,
     owner_alive,
     state_root,
     touch_usage,
@@ -413,6 +413,7 @@ class LocalSandbox:
         self.grading = grading
         self._interpreter = interpreter  # the host's Python, bound read-only inside
         self._judged_ready = False  # the repository is chowned to the judged user
+        self.judged_uid = judged_uid()  # this sandbox's own (`common.JUDGED_UID_BASE`)
         self.id = name
         self.root = root
         self.workdir = WORKDIR
@@ -504,7 +505,7 @@ class LocalSandbox:
         if judged:
             head = self._judged_head
             become = [
-                self._interpreter, "-I", "-S", "-c", _BECOME_JUDGED, str(JUDGED_UID),
+                self._interpreter, "-I", "-S", "-c", _BECOME_JUDGED, str(self.judged_uid),
                 _judged_filter(),
             ]  # fmt: skip
             argv = [*become, *argv]
@@ -547,17 +548,17 @@ class LocalSandbox:
             )
         if not self._judged_ready:
             repo = self.root / "repo"
-            os.lchown(repo, JUDGED_UID, JUDGED_UID)
+            os.lchown(repo, self.judged_uid, self.judged_uid)
             for top, dirs, files in os.walk(repo):
                 for name in dirs + files:
-                    os.lchown(os.path.join(top, name), JUDGED_UID, JUDGED_UID)
+                    os.lchown(os.path.join(top, name), self.judged_uid, self.judged_uid)
             os.chmod(self.root / "tmp", 0o1777)
             self._judged_ready = True
         name = f"{JUDGED_DIR_PREFIX}{secrets.token_hex(8)}"
         folder = self.root / "tmp" / name
         for path in (folder, *(folder / sub for sub in JUDGED_SUBDIRS)):
             path.mkdir(mode=0o700)
-            os.lchown(path, JUDGED_UID, JUDGED_UID)
+            os.lchown(path, self.judged_uid, self.judged_uid)
         return f"/tmp/{name}"
 
     async def _run(
