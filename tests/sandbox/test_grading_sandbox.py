@@ -581,10 +581,16 @@ def test_judged_commands_of_two_sandboxes_share_no_per_user_count(
         one = await _start(backend, grading=True)
         two = await _start(backend, grading=True)
         try:
+            holding = asyncio.Event()  # set when the holder prints how many it holds
+            loop = asyncio.get_running_loop()  # Docker's output comes on the exec's thread
             hold = asyncio.ensure_future(
-                one.exec(["python", "-c", _INOTIFY_PROBE, "hold", "100", "8"], judged=True)
+                one.exec(
+                    ["python", "-c", _INOTIFY_PROBE, "hold", "100", "20"],
+                    judged=True,
+                    on_output=lambda chunk: loop.call_soon_threadsafe(holding.set),
+                )
             )
-            await asyncio.sleep(4)  # held meanwhile
+            await asyncio.wait_for(holding.wait(), 60)
             counted = await _ok(two, ["python", "-c", _INOTIFY_PROBE, "count"], judged=True)
             held = (await hold).output
         finally:

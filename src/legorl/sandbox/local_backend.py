@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import secrets
@@ -74,6 +75,7 @@ from legorl.sandbox.repo import scrubbed_repo
 from legorl.sandbox.runtime import RuntimeSources, local_layout, runtime_layer
 
 
+@functools.cache
 def _judged_filter() -> str:
     """The judged commands' seccomp filter for this machine, in hex (`seccomp.py`)."""
     try:
