@@ -606,3 +606,127 @@ def test_judged_commands_of_two_sandboxes_share_no_per_user_count(
         monkeypatch.setattr(module, "judged_uid", lambda: shared)
     held, counted = run(go())
     assert held == 100 and counted <= most - 100, (held, counted)
+
+
+# "hold": takes a POSIX read lock and a shared flock on each file a sandbox's judged code can
+# open that the host (or the image, or Docker: its init) provides, prints, and sleeps. "look": asks, per file,
+# whether a lock of another process conflicts (F_GETLK for a write lock, a non-blocking
+# exclusive flock), and prints them as JSON.
+_LOCK_PROBE = r"""
+import errno, fcntl, json, os, struct, sys, time
+files = ["/usr/lib/os-release", "/etc/passwd", os.path.realpath(sys.executable), os.__file__,
+         os.path.join(sys.prefix, "pyvenv.cfg"), "/dev/null", "/dev/urandom", "/sbin/docker-init"]
+files = [f for f in files if os.path.exists(f)]
+spot = struct.pack("hhqqi4x", fcntl.F_RDLCK, 0, 1 << 40, 1, 0)
+fds = {f: os.open(f, os.O_RDONLY) for f in files}
+if sys.argv[1] == "hold":
+    for fd in fds.values():
+        fcntl.fcntl(fd, fcntl.F_SETLK, spot)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    print("held", len(fds), flush=True)
+    time.sleep(float(sys.argv[2]))
+else:
+    out = {}
+    for f, fd in fds.items():
+        ask = struct.pack("hhqqi4x", fcntl.F_WRLCK, 0, 0, 0, 0)
+        posix = struct.unpack("hhqqi4x", fcntl.fcntl(fd, fcntl.F_GETLK, ask))[0] != fcntl.F_UNLCK
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            flocked = False
+        except OSError as exc:
+            assert exc.errno == errno.EWOULDBLOCK, exc
+            flocked = True
+        out[f] = [posix, flocked]
+    print(json.dumps(out))
+"""
+
+
+def test_judged_commands_of_two_sandboxes_share_no_lockable_file(
+    backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Round 43 (local backend): every sandbox bound the host's folders read-only, and a bind
+    # keeps the inode, which locks belong to. One trajectory's judged run held read locks on
+    # /usr/lib/os-release at offsets spelling the expected values; another's judged run read
+    # them back with F_GETLK. A local grading sandbox now sees each host folder through an
+    # overlay of its own and has device nodes of its own (`sandbox/view.py`); Docker's
+    # containers each have an overlay root.
+    import asyncio
+
+    from legorl.sandbox import local_backend, view
+
+    roots: list[str] = []
+
+    async def go(same: bool) -> dict[str, list[bool]]:
+        one = await _start(backend, grading=True)
+        two = one if same else await _start(backend, grading=True)
+        roots.extend(str(getattr(box, "root", "")) for box in (one, two))
+        try:
+            holding = asyncio.Event()  # set when the holder says it holds
+            loop = asyncio.get_running_loop()  # Docker's output comes on the exec's thread
+            hold = asyncio.ensure_future(
+                one.exec(
+                    ["python", "-c", _LOCK_PROBE, "hold", "20"],
+                    judged=True,
+                    on_output=lambda chunk: loop.call_soon_threadsafe(holding.set),
+                )
+            )
+            await asyncio.wait_for(holding.wait(), 60)
+            seen = await _ok(two, ["python", "-c", _LOCK_PROBE, "look"], judged=True)
+            held = (await hold).output.split()
+            assert held[0] == "held" and int(held[1]) >= 7, held
+        finally:
+            await one.close()
+            if not same:
+                await two.close()
+        return dict(json.loads(seen.strip().splitlines()[-1]))
+
+    seen = run(go(same=False))
+    assert len(seen) >= 7 and not any(any(v) for v in seen.values()), seen
+    if backend.name == "local":  # the views' mounts went with their sandboxes
+        assert not [p for p in view._mount_points() if any(p.startswith(r) for r in roots)]
+    # The control: two judged commands of one sandbox see each other's locks on every file.
+    seen = run(go(same=True))
+    assert len(seen) >= 7 and all(all(v) for v in seen.values()), seen
+    if backend.name != "local":
+        return
+    # And the local backend's sandboxes with the host's folders bound as they are, as before.
+    monkeypatch.setattr(local_backend, "mount_view", lambda root: None)
+    seen = run(go(same=False))
+    assert len(seen) >= 7 and all(all(v) for v in seen.values()), seen
+
+
+_ZOMBIES = (
+    "import os\n"
+    "states = []\n"
+    "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+    "    try:\n"
+    "        states.append(open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[0])\n"
+    "    except OSError:\n"
+    "        pass\n"
+    "print('zombies', states.count('Z'))\n"
+)
+
+
+def test_a_docker_grading_container_reaps_what_its_judged_commands_orphan(
+    docker_backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A grading container's first process is legorl's own reaper, not Docker's init (a host
+    # file bound into every container, which two containers' judged code could both lock).
+    import asyncio
+
+    from legorl.sandbox import docker_backend as module
+
+    async def go() -> str:
+        box = await _start(docker_backend, grading=True)
+        try:
+            # A grandchild orphaned at once, which exits a moment later.
+            await _ok(box, ["sh", "-c", "(sleep 1 &) ; exit 0"], judged=True)
+            await asyncio.sleep(4)
+            return await _ok(box, ["python3", "-c", _ZOMBIES])
+        finally:
+            await box.close()
+
+    assert run(go()).split() == ["zombies", "0"]
+    # The control: `sleep` as the first process, which never waits for the orphans it gets.
+    monkeypatch.setattr(module, "_REAPER", ["sleep"])
+    assert run(go()).split() == ["zombies", "1"]

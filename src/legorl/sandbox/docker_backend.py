@@ -116,6 +116,22 @@ class _CappedStream(io.RawIOBase):
 # ---- containers ------------------------------------------------------------------------------
 
 
+#: A grading container's first process (pid 1), run by the image's own Python as root: it
+#: reaps the orphans the judged commands leave, as an init would, and ends the container after
+#: argv[1] seconds (or on SIGTERM).
+_REAPER = [
+    "python3", "-I", "-S", "-c",
+    "import os, signal, sys, time\n"
+    "for sig in (signal.SIGALRM, signal.SIGTERM):\n"
+    "    signal.signal(sig, lambda *_: os._exit(0))\n"
+    "signal.alarm(int(sys.argv[1]))\n"
+    "while True:\n"
+    "    try:\n"
+    "        os.waitpid(-1, 0)\n"
+    "    except ChildProcessError:\n"
+    "        time.sleep(1)\n",
+]  # fmt: skip
+
 #: How long an ended command's stream must stay quiet before its output is taken as complete.
 _DRAIN_S = 1.0
 
@@ -562,8 +578,9 @@ class DockerSandbox:
         """The daemon's view, never a command in the container (the agent, root there, may
         have replaced ``true`` or ``timeout``): True while the container runs; False when
         the daemon answers and the container has stopped or is gone (what ran in it ended
-        it: its init exits with its child, and the container is removed on exit); None when
-        the daemon does not answer."""
+        it: its first process exits with its child, or a grading container's reaper at its
+        deadline, and the container is removed on exit); None when the daemon does not
+        answer."""
         import docker.errors
 
         try:
@@ -861,7 +878,10 @@ class DockerBackend:
             }
         host_config = self.api.create_host_config(
             network_mode="none",
-            init=True,
+            # A grading container's first process is `_REAPER`, not Docker's init: that is a
+            # host file bound into every container, one inode that any two containers' judged
+            # code could lock and watch between them (round 43's channel).
+            init=not grading,
             auto_remove=True,
             mem_limit=f"{limits.memory_mb}m",
             memswap_limit=f"{limits.memory_mb}m",
@@ -887,7 +907,10 @@ class DockerBackend:
                 try:
                     container = self.api.create_container(
                         tag,
-                        command=["sleep", str(int(limits.wall_s) + 60)],
+                        command=[
+                            *(_REAPER if grading else ["sleep"]),
+                            str(int(limits.wall_s) + 60),
+                        ],
                         name=name if attempt == 1 else f"{name}-2",
                         labels=labels,
                         host_config=host_config,

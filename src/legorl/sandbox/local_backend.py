@@ -7,7 +7,9 @@
 
 Each sandbox is a private copy of the instance repository at /testbed, a private /tmp and
 HOME (/root), and a read-only view of the host's system folders (``/usr``, ``/etc``, ``/opt``
-and the Python the env layer runs on), never the user's home, the task files or the cache.
+and the Python the env layer runs on), never the user's home, the task files or the cache;
+a grading sandbox sees them through overlays of its own, so that no file its judged code can
+open (and lock) is one another sandbox opens too (``view.py``).
 Every command runs in a fresh ``bwrap`` with its own PID, IPC, UTS and network namespaces (no
 network; a proxy is reached through the relay, as with Docker) and all capabilities dropped;
 files persist between commands, processes do not. Where this process may create cgroups (root,
@@ -73,6 +75,7 @@ from legorl.sandbox.layers import Layer, env_layer, instance_layer, keep_up_to
 from legorl.sandbox.relay import FORWARDER, Relay, inside_port, open_relay, split_proxy_url
 from legorl.sandbox.repo import scrubbed_repo
 from legorl.sandbox.runtime import RuntimeSources, local_layout, runtime_layer
+from legorl.sandbox.view import View, mount_view
 
 
 @functools.cache
@@ -357,8 +360,15 @@ def _runtime_still_points_at(path: Path, binds: list[Path], src: RuntimeSources)
     return not link.is_symlink()
 
 
-def _host_view(paths: tuple[str, ...]) -> list[str]:
-    """bwrap arguments for a read-only view of the host's system folders."""
+def _plain_bind(source: str, dest: str) -> list[str]:
+    return ["--ro-bind", source, dest]
+
+
+def _host_view(
+    paths: tuple[str, ...], bind: Callable[[str, str], list[str]] = _plain_bind
+) -> list[str]:
+    """bwrap arguments for a read-only view of the host's system folders (each bound by
+    ``bind``: a grading sandbox's is `view.View.ro_bind`)."""
     args: list[str] = []
     for path in paths:
         p = Path(path)
@@ -369,9 +379,9 @@ def _host_view(paths: tuple[str, ...]) -> list[str]:
             args += ["--tmpfs", "/opt"]
             for child in sorted(p.iterdir()):
                 if child.name not in ("legorl-env", "legorl-runtime"):
-                    args += ["--ro-bind", str(child), str(child)]
+                    args += bind(str(child), str(child))
         elif p.is_dir():
-            args += ["--ro-bind", path, path]
+            args += bind(path, path)
     return args
 
 
@@ -410,6 +420,7 @@ class LocalSandbox:
         pristine_git: Path,
         interpreter: str = "python3",
         grading: bool = False,
+        view: View | None = None,
     ) -> None:
         self.backend = backend
         self.grading = grading
@@ -461,12 +472,15 @@ class LocalSandbox:
         # A grading sandbox's HOME is an empty per-command tmpfs, read-only once the host's
         # Python is bound below it; the sandbox's root (bwrap's tmpfs) is made read-only last.
         home = ["--tmpfs", "/root"] if grading else ["--bind", str(root / "home"), "/root"]
+        # A grading sandbox's host folders and devices are inodes of its own (`view.py`).
+        bind = view.ro_bind if view is not None else _plain_bind
         flags = [
             "--hostname", "sandbox",
-            *_host_view(backend.config.host_paths),
-            "--ro-bind", str(env_dir), ENV_DIR,
+            *_host_view(backend.config.host_paths, bind),
+            *bind(str(env_dir), ENV_DIR),
             "--proc", "/proc",
             "--dev", "/dev",
+            *(view.devices() if view is not None else []),
             "--bind", str(root / "tmp"), "/tmp",
             *home,
             "--bind", str(root / "repo"), WORKDIR,
@@ -474,7 +488,7 @@ class LocalSandbox:
             # folders bwrap makes on the way are 0700 unless made here, which would keep the
             # judged user from the Python.
             *_parents(python_prefix, backend.config.host_paths),
-            "--ro-bind", python_prefix, python_prefix,
+            *bind(python_prefix, python_prefix),
         ]  # fmt: skip
         if runtime is not None:
             layout, binds = runtime
@@ -846,8 +860,10 @@ class LocalBackend:
         relay = None
         cg = None
         try:
+            view = None
             if grading:
                 _mount_grading_tmpfs(root)
+                view = mount_view(root / "view")
             write_owner(root, run_id, task.instance_id)
             for sub in ("tmp", "home"):
                 (root / sub).mkdir()
@@ -874,6 +890,7 @@ class LocalBackend:
                 pristine_git=_layer_dir(instance) / "repo" / ".git",
                 interpreter=base.recipe["interpreter"],
                 grading=grading,
+                view=view,
             )
         except BaseException:
             if relay is not None:
