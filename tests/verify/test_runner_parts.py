@@ -133,11 +133,11 @@ def _gold(
 
 
 def _judge(
-    tmp: Path, candidate: str, tests: str = LIB_TESTS, gold_lib: str = GOLD
+    tmp: Path, candidate: str, tests: str = LIB_TESTS, gold_lib: str = GOLD, base: str = BASE
 ) -> tuple[dict, dict]:
     """Gold recorded, then ``candidate`` judged: (judgements, in-process outcomes). The
     required tests count as ``PASS_TO_PASS`` here (coverage: one assertion judged here)."""
-    required, plan, gold = _gold(tmp, tests, gold_lib)
+    required, plan, gold = _gold(tmp, tests, gold_lib, base)
     found, outcomes = _judged_run(_repo(tmp / "candidate", candidate, tests), plan)
     events = assertions.by_test(found)
     covered = assertions.covered_tests(plan, gold, set())
@@ -324,6 +324,45 @@ def test_a_raises_check_in_its_call_form_is_judged_as_its_block(tmp_path: Path) 
     other = gold.replace("'negative width'", "'bad'")
     verdicts, _ = _judge(tmp_path / "other", other, tests, gold)
     assert verdicts[keys[1]].outcome == "failed", verdicts[keys[1]]
+
+
+def test_a_call_forms_arguments_are_evaluated_before_its_check_begins(tmp_path: Path) -> None:
+    # Round 45 (read, not run): the call form's callable and arguments were moved inside the
+    # block it means, so an argument whose evaluation raised the expected class met the check,
+    # where the test as written errors before the check begins. The candidate keeps the bug
+    # (``area(-1, 2)`` raises nothing) and makes the library's ``width`` raise instead.
+    tests = """
+        import unittest
+
+        import pytest
+        from lib import area, width
+
+
+        def test_raises():
+            pytest.raises(ValueError, area, width(-1), h=2)
+
+
+        class TestUnit(unittest.TestCase):
+            def test_equal(self):
+                self.assertRaises(ValueError, area, *[width(-1), 2])
+                self.assertEqual(area(2, 5), 10)
+    """
+    gold = "def width(x):\n    return x\n" + GOLD.replace(
+        "    return", "    if w < 0:\n        raise ValueError('negative width')\n    return"
+    )
+    keys = [f"{TESTS}::test_raises", f"{TESTS}::TestUnit::test_equal"]
+    base = "def width(x):\n    return x\n" + BASE
+    verdicts, _ = _judge(tmp_path / "gold", gold, tests, gold, base)
+    assert [verdicts[k].outcome for k in keys] == ["passed", "passed"], verdicts
+    candidate = (
+        "def width(x):\n    if x < 0:\n        raise ValueError('negative width')\n"
+        "    return x\n" + GOLD
+    )
+    verdicts, outcomes = _judge(tmp_path / "forged", candidate, tests, gold, base)
+    for key in keys:
+        assert outcomes[key] == "failed"  # as the test as written: an error before the check
+        assert verdicts[key].outcome == "raised", verdicts[key]
+        assert "raised ValueError" in verdicts[key].detail, verdicts[key]
 
 
 def test_what_a_tests_callable_did_is_pinned_not_its_helpers_verdict(tmp_path: Path) -> None:

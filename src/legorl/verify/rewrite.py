@@ -511,9 +511,11 @@ class _Rewriter(ast.NodeTransformer):
 
     def visit_Expr(self, node: ast.Expr) -> Any:
         call = node.value
-        block = _as_block(call) if isinstance(call, ast.Call) else None
-        if block is not None:
-            return self.visit_With(block)
+        form = _as_block(call) if isinstance(call, ast.Call) else None
+        if form is not None:
+            held, block = form
+            done = self.visit_With(block)
+            return [held, *(done if isinstance(done, list) else [done])]
         if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)):
             return self.generic_visit(node)
         name = call.func.attr
@@ -621,13 +623,21 @@ class _Rewriter(ast.NodeTransformer):
         return node
 
 
-def _as_block(call: ast.Call) -> ast.With | None:
+def _as_block(call: ast.Call) -> tuple[ast.Assign, ast.With] | None:
     """A raises or warns check in its call form, ``assertRaises(E, f, *args, **kwargs)`` (and
     ``assertRaisesRegex(E, msg, f, …)``, Django's ``assertRaisesMessage``, the ``Warns``
-    family, ``pytest.raises(E, f, …)``, ``pytest.warns``), as the block it means:
-    ``with assertRaises(E): f(*args, **kwargs)``, which the judge then judges as any such block
-    (round 40: the call form was decided in the judged process). None for any other call, and
-    for a call form whose callable a ``*`` hides."""
+    family, ``pytest.raises(E, f, …)``, ``pytest.warns``), as the block it means, which the
+    judge then judges as any such block (round 40: the call form was decided in the judged
+    process). The callable, its arguments and keywords are evaluated first, outside the block,
+    as the call form evaluates them before its check begins (round 45: inside, an argument
+    whose evaluation raised E would have met the check); only the call is inside::
+
+        _legorl_form_L_C = (f, (*args,), {**kwargs})
+        with assertRaises(E):
+            _legorl_form_L_C[0](*_legorl_form_L_C[1], **_legorl_form_L_C[2])
+
+    (E is evaluated after them, not before: a class name, in the tests seen.) None for any
+    other call, and for a call form whose callable a ``*`` hides."""
     name = _callee(call.func)
     last = name.rsplit(".", 1)[-1]
     if isinstance(call.func, ast.Attribute) and last in RAISES | WARNS:
@@ -639,12 +649,31 @@ def _as_block(call: ast.Call) -> ast.With | None:
     if len(call.args) <= head or any(isinstance(a, ast.Starred) for a in call.args[: head + 1]):
         return None
     manager = ast.copy_location(ast.Call(func=call.func, args=call.args[:head], keywords=[]), call)
+    name = f"_legorl_form_{call.lineno}_{call.col_offset}"
     # Every keyword of the call form is the callable's (unittest's, Django's and pytest's).
-    body = ast.copy_location(
-        ast.Call(func=call.args[head], args=call.args[head + 1 :], keywords=call.keywords), call
+    keys: list[ast.expr | None] = [
+        None if kw.arg is None else ast.Constant(kw.arg) for kw in call.keywords
+    ]
+    kwargs = ast.Dict(keys=keys, values=[kw.value for kw in call.keywords])
+    value = ast.Tuple(
+        elts=[call.args[head], ast.Tuple(elts=call.args[head + 1 :], ctx=ast.Load()), kwargs],
+        ctx=ast.Load(),
+    )
+    held = ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())], value=value)
+
+    def part(i: int) -> ast.expr:
+        return ast.Subscript(value=ast.Name(id=name, ctx=ast.Load()), slice=ast.Constant(i))
+
+    body = ast.Call(
+        func=part(0),
+        args=[ast.Starred(value=part(1), ctx=ast.Load())],
+        keywords=[ast.keyword(arg=None, value=part(2))],
     )
     block = ast.With(items=[ast.withitem(context_expr=manager)], body=[ast.Expr(value=body)])
-    return ast.fix_missing_locations(ast.copy_location(block, call))
+    return (
+        ast.fix_missing_locations(ast.copy_location(held, call)),
+        ast.fix_missing_locations(ast.copy_location(block, call)),
+    )
 
 
 def _watching(sid: str, test: ast.expr) -> ast.expr:
