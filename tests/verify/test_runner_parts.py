@@ -8,6 +8,7 @@ outcome alone (what grading was before assertions were judged out of process) pa
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import binascii
 import contextlib
@@ -363,6 +364,24 @@ def test_a_call_forms_arguments_are_evaluated_before_its_check_begins(tmp_path: 
         assert outcomes[key] == "failed"  # as the test as written: an error before the check
         assert verdicts[key].outcome == "raised", verdicts[key]
         assert "raised ValueError" in verdicts[key].detail, verdicts[key]
+
+
+def test_a_call_form_whose_meaning_depends_on_pytests_version_stays_as_written() -> None:
+    # Round 46 (read): ``pytest.warns(W, f, match=m)`` hands ``match`` to ``f`` in pytest 8
+    # and later, and takes it as its own (unchecked) in pytest 7. It stays a statement of the
+    # test, decided in process; the same call without ``match`` becomes its block.
+    from legorl.verify.rewrite import _as_block
+
+    def form(text: str) -> object:
+        call = ast.parse(text).body[0]
+        assert isinstance(call, ast.Expr) and isinstance(call.value, ast.Call)
+        return _as_block(call.value)
+
+    assert form("pytest.warns(UserWarning, f, 1, match='x')") is None
+    held, block = form("pytest.warns(UserWarning, f, 1, key='x')")  # type: ignore[misc]
+    assert ast.unparse(block).startswith("with pytest.warns(UserWarning):")
+    held, block = form("pytest.raises(ValueError, f, 1, match='x')")  # type: ignore[misc]
+    assert "'match': 'x'" in ast.unparse(held)  # pytest.raises hands it on in both versions
 
 
 def test_what_a_tests_callable_did_is_pinned_not_its_helpers_verdict(tmp_path: Path) -> None:
