@@ -1,7 +1,8 @@
 """The gold record of every task of the shipped suites: whether the gold patch passes under the
 out-of-process judge, which required tests no assertion of which is judged out of process
-(against what each task declares ``uncoverable``), and the share of ``FAIL_TO_PASS`` assertion
-events the judge makes itself.
+(against what each task declares ``uncoverable``), the share of ``FAIL_TO_PASS`` assertion
+events the judge makes itself, and which required tests the gold patch's ordinary run was not
+read passing (no ordinary run of a candidate can then fail them).
 
     python -m experiments.gold_coverage                     # the three suites, docker
     python -m experiments.gold_coverage --backend local --tasks fixtures/tasks/train.jsonl
@@ -77,6 +78,9 @@ async def scan(path: Path, backend_name: str, cache: Path) -> list[dict[str, Any
                 row["undeclared"] = sorted(set(row["uncovered"]) - set(task.uncoverable))
                 row["f2p"] = _counts(task, plan, gold, task.FAIL_TO_PASS)
                 row["p2p"] = _counts(task, plan, gold, task.PASS_TO_PASS)
+                # Required tests the gold patch's ordinary run was not read passing: a
+                # candidate's ordinary run cannot take their pass away (round 47).
+                row["ordinary_unread"] = sorted(set(required) - set(record.ordinary))
             row["seconds"] = round(time.monotonic() - start, 1)
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -104,6 +108,7 @@ def main() -> None:
                 "tasks": len(rows),
                 "gold_passes": len(good),
                 "undeclared_uncovered": sum(len(r["undeclared"]) for r in good),
+                "ordinary_unread": sum(len(r["ordinary_unread"]) for r in good),
                 "f2p_judged_out_of_process": f2p,
                 "f2p_fraction": round(f2p[0] / f2p[1], 3) if f2p[1] else None,
             }

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 from conftest import grade_toy, sandbox_backend, toy_task
 
+from legorl.records import read_jsonl
 from legorl.verify.ordinary import LINE, OrdinaryRun, ordinary_run, read_pytest, read_unittest
+
+SUITE = Path(__file__).resolve().parents[2] / "fixtures" / "tasks-real"
 
 F2P = "tests/test_geometry.py::test_rectangle_area_non_square"
 
@@ -76,6 +80,35 @@ def test_unittest_lines_read_as_outcomes() -> None:
     a, b, c = "test_a (m.T.test_a)", "test_b (m.T.test_b)", "test_c (m.T.test_c)"
     log = f"{a} ... ok\n{b} ... FAIL\n{c} ... ok\n{c} ... ERROR\nnoise ... ok\n"
     assert read_unittest(log, {a, b, c}) == {a: "passed", b: "failed", c: "error"}
+
+
+def test_a_test_described_by_its_docstring_is_read_as_itself() -> None:
+    # Round 47 (Django): unittest describes a test with a docstring on two lines, its name and
+    # then the docstring's first line before the status. Neither Django's official parser nor
+    # the one-line reading saw such a test, so a required one's failure in the ordinary run
+    # took no pass away (a fix made only in the judged run got 1.0 on django-real-7).
+    import asyncio
+
+    from legorl.records import Task
+    from legorl.verify.ordinary import read
+    from legorl.verify.specs import resolve
+
+    a, b = "test_a (m.T.test_a)", "test_b (m.T.test_b)"
+    log = f"{a}\nNon-ASCII digits raise an error. ... ERROR\n{b}\nOther. ... ok\n"
+    log += "test_x (m.T.test_x)\nNot required. ... FAIL\n"
+    assert read_unittest(log, {a, b}) == {a: "error", b: "passed"}
+    # The name must be the line just before: a status line after anything else is no one's.
+    assert read_unittest(f"{a}\nnoise\nDoc. ... ERROR\n", {a}) == {}
+    # Through the task's official parser, as Django tasks are read.
+    task = next(
+        t
+        for t in read_jsonl(SUITE / "tasks.jsonl", Task)
+        if t.instance_id == "django__django-real-7"
+    )
+    test = task.FAIL_TO_PASS[0]
+    log = f"{test}\nNon-ASCII unicode decimals raise an error. ... ERROR\n"
+    outcomes, error = asyncio.run(read(resolve(task), log, task))
+    assert error is None and outcomes == {test: "error"}, outcomes
 
 
 #: The gold fix, made only where the run is unprivileged and cannot write outside the repository

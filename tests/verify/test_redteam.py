@@ -85,7 +85,7 @@ def _task(variant: str = "") -> Task:
         return next(
             t for t in read_jsonl(SUITE / "tasks.jsonl", Task) if t.instance_id == DJANGO_TASK_ID
         )
-    if variant.startswith("pytoolz__"):  # a task of the real suite, by its id
+    if variant.startswith(("pytoolz__", "django__")):  # a task of the real suite, by its id
         return next(t for t in read_jsonl(SUITE / "tasks.jsonl", Task) if t.instance_id == variant)
     task = next(t for t in read_jsonl(TASKS / "train.jsonl", Task) if t.instance_id == TASK_ID)
     if variant == "new_test_file":

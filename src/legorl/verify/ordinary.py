@@ -89,15 +89,25 @@ def read_pytest(log: str, required: set[str]) -> dict[str, str]:
 
 def read_unittest(log: str, required: set[str]) -> dict[str, str]:
     """Required tests' outcomes from unittest's verbose lines (``name (id) ... ok``), where a
-    task names a test as the line does."""
+    task names a test as the line does. A test with a docstring is described on two lines,
+    its name alone and then the docstring's first line (``name (id)``, ``Doc line. ... ok``):
+    the outcome is the named test's (round 47: such a test was never read, so the ordinary
+    run could not take its pass away)."""
     out: dict[str, str] = {}
+    named = None  # the line before, when it is a required test's name and nothing else
     for line in log.splitlines():
-        if len(line) > LINE or " ... " not in line:
+        if len(line) > LINE:
+            named = None
+            continue
+        if " ... " not in line:
+            named = line.strip() if line.strip() in required else None
             continue
         name, _, status = line.rpartition(" ... ")
+        test = name.strip() if name.strip() in required else named
+        named = None
         outcome = _UNITTEST.get(status.strip())
-        if outcome is not None and name.strip() in required:
-            _note(out, name.strip(), outcome)
+        if outcome is not None and test is not None:
+            _note(out, test, outcome)
     return out
 
 
@@ -108,12 +118,17 @@ def _note(out: dict[str, str], test: str, status: str) -> None:
 
 async def read(grader: Grader, log: str, task: Task) -> tuple[dict[str, str], str | None]:
     """The required tests' outcomes the ordinary run printed: the task's official parser when
-    it has one (capped, `specs.parse_capped`), else pytest's or unittest's own lines."""
+    it has one (capped, `specs.parse_capped`), unittest's own lines read beside it, else
+    pytest's or unittest's own lines."""
     required = {*task.FAIL_TO_PASS, *task.PASS_TO_PASS}
     if grader.parser is not None:
         parsed, error = await parse_capped(grader.parser, log, task)
         words = {"PASSED": "passed", "XFAIL": "passed", "FAILED": "failed", "ERROR": "error"}
-        return {t: words.get(s, "skipped") for t, s in parsed.items() if t in required}, error
+        out = {t: words.get(s, "skipped") for t, s in parsed.items() if t in required}
+        if grader.kind == "unittest":  # Django's parser reads no two-line description
+            for test, outcome in read_unittest(log, required).items():
+                _note(out, test, outcome)
+        return out, error
     if grader.kind == "pytest":
         return read_pytest(log, required), None
     return read_unittest(log, required), None
