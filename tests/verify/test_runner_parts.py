@@ -1426,3 +1426,47 @@ def test_a_patch_past_the_size_grading_reads_is_refused_before_it_is_read() -> N
     judged = asyncio.run(apply_model_patch(None, task, patch))  # type: ignore[arg-type]
     assert judged.method is None and judged.refused == "patch_too_large", judged
     assert f"{MAX_PATCH:,}" in judged.error
+
+
+def test_count_equal_is_judged_as_unittest_does_and_in_bounded_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Round 47 (read): the judge paired ``assertCountEqual``'s items off in quadratic time, on
+    # operands the judged code makes (up to 4 MiB each). Hashable items are now counted, and
+    # the unhashable rest is paired within a budget of comparisons, past which it fails.
+    import unittest
+
+    from legorl.verify import assertions
+
+    case = unittest.TestCase()
+
+    def python(a: list, b: list) -> bool:
+        try:
+            case.assertCountEqual(a, b)
+        except AssertionError:
+            return False
+        return True
+
+    pairs = [
+        ([1, 2, 2, "x"], [2, "x", 1, 2]),
+        ([1, 2, 2], [1, 1, 2]),
+        ([(1, 2), [3], {"k": 1}], [{"k": 1}, (1, 2), [3]]),
+        ([[3], [3], [4]], [[4], [3], [3]]),
+        ([[3], [3], [4]], [[4], [4], [3]]),
+        ([float("nan")], [float("nan")]),
+        ([(1, [2])], [(1, [2])]),
+        ([1, 2], [1, 2, 3]),
+    ]
+    for a, b in pairs:
+        assert assertions._count_eq(a, b) == python(a, b), (a, b)
+    # Exact types at the top, as the judge's equality is: 1 and True are not one item.
+    assert not assertions._count_eq([1], [True]) and not assertions._count_eq([1], [1.0])
+    # Linear on hashable items: a million each way is counted at once.
+    big = list(range(1_000_000))
+    assert assertions._count_eq(big, big[::-1])
+    # The unhashable rest within the budget, and past it not equal.
+    lists = [[i] for i in range(300)]
+    assert assertions._count_eq(lists, lists[::-1])
+    monkeypatch.setattr(assertions, "COUNT_EQ_BUDGET", 1000)
+    assert not assertions._count_eq(lists, lists[::-1])  # 45,150 comparisons needed
+    assert assertions._count_eq(lists[:10], lists[:10][::-1])

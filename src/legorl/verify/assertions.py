@@ -368,16 +368,38 @@ def _bounded_search(pattern: str, text: str) -> bool:
         return False
 
 
+#: Item comparisons ``assertCountEqual`` may make on unhashable items before it fails: the
+#: operands are the judged code's (up to 4 MiB each), and pairing them off is quadratic.
+COUNT_EQ_BUDGET = 10_000_000
+
+
 def _count_eq(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` hold the same items as often, an item meeting one of its exact
+    type and equal to it: hashable items counted in linear time, the unhashable rest paired off
+    within ``COUNT_EQ_BUDGET`` comparisons (past it, not equal: round 47, read)."""
     try:
         left, right = list(a), list(b)
     except TypeError:
         return False
     if len(left) != len(right):
         return False
-    rest = list(right)
-    for item in left:
+    counts: collections.Counter[tuple[type, Any]] = collections.Counter()
+    rest_left: list[Any] = []
+    rest: list[Any] = []
+    for items, sign, out in ((left, 1, rest_left), (right, -1, rest)):
+        for item in items:
+            try:
+                counts[(type(item), item)] += sign
+            except TypeError:  # unhashable: a list, a dict, a set
+                out.append(item)
+    if any(counts.values()) or len(rest_left) != len(rest):
+        return False
+    budget = COUNT_EQ_BUDGET
+    for item in rest_left:
         for i, other in enumerate(rest):
+            budget -= 1
+            if budget < 0:
+                return False
             if type(item) is type(other) and item == other:
                 del rest[i]
                 break
