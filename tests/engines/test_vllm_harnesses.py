@@ -130,7 +130,11 @@ def test_a_real_harness_runs_a_toy_task_on_real_vllm(
     RUNS[harness] = Run(harness, traj, turns, served, tmp_path)
 
 
-def test_align_agrees_and_train_takes_a_step_on_the_real_harness_runs(tmp_path: Path) -> None:
+def test_align_agrees_and_train_takes_a_step_on_the_real_harness_runs(
+    server: Server, tmp_path: Path
+) -> None:
+    # ``server``: where real vLLM is missing this test is skipped as the runs it reads are,
+    # not failed for their absence.
     if len(RUNS) != 3:
         pytest.fail(f"the harness runs did not all finish (got {sorted(RUNS)})")
     trajs = []
