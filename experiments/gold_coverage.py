@@ -81,6 +81,7 @@ async def scan(path: Path, backend_name: str, cache: Path) -> list[dict[str, Any
                 # Required tests the gold patch's ordinary run was not read passing: a
                 # candidate's ordinary run cannot take their pass away (round 47).
                 row["ordinary_unread"] = sorted(set(required) - set(record.ordinary))
+                row["ordinary_exit"] = record.ordinary_exit  # 0: a candidate's must be 0 too
             row["seconds"] = round(time.monotonic() - start, 1)
             rows.append(row)
             print(json.dumps(row), flush=True)

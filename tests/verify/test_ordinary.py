@@ -82,6 +82,27 @@ def test_unittest_lines_read_as_outcomes() -> None:
     assert read_unittest(log, {a, b, c}) == {a: "passed", b: "failed", c: "error"}
 
 
+def test_an_expected_failure_is_no_pass_and_a_failed_command_fails_the_run() -> None:
+    # Round 48: a patch made the required test an expected failure everywhere but the judged
+    # run (pytest.xfail, unittest's mark), and XFAIL / "expected failure" were read as passes;
+    # another printed a line Django's parser read as the test's pass while the run failed.
+    from legorl.verify.ordinary import exit_vetoed
+
+    assert read_pytest("XFAIL t.py::a - not yet\nt.py::b XFAIL\n", {"t.py::a", "t.py::b"}) == {
+        "t.py::a": "xfailed",
+        "t.py::b": "xfailed",
+    }
+    a = "test_a (m.T.test_a)"
+    assert read_unittest(f"{a} ... expected failure\n", {a}) == {a: "xfailed"}
+    assert not OrdinaryRun(outcomes={a: "xfailed"}).passed
+    # The command's own exit status: a failure where the gold patch's run succeeded.
+    assert exit_vetoed(OrdinaryRun(exit_code=1), 0)
+    assert exit_vetoed(OrdinaryRun(exit_code=None, timed_out=True), 0)
+    assert not exit_vetoed(OrdinaryRun(exit_code=0), 0)
+    assert not exit_vetoed(OrdinaryRun(exit_code=1), 1)  # the gold's failed too: no rule
+    assert not exit_vetoed(OrdinaryRun(exit_code=1), None)  # an old record: no exit known
+
+
 def test_a_test_described_by_its_docstring_is_read_as_itself() -> None:
     # Round 47 (Django): unittest describes a test with a docstring on two lines, its name and
     # then the docstring's first line before the status. Neither Django's official parser nor

@@ -40,7 +40,7 @@ from legorl.records import ENVIRONMENT_FAILURES, Task, Trajectory, Turn
 from legorl.verify import assertions, rewrite
 from legorl.verify.control import Controls, graded_or_control
 from legorl.verify.gold import GoldRecord, GoldRun, GoldStore
-from legorl.verify.ordinary import OrdinaryRun, ordinary_run, vetoed
+from legorl.verify.ordinary import OrdinaryRun, exit_vetoed, ordinary_run, vetoed
 from legorl.verify.runner import (
     TestRun,
     forged_printed,
@@ -419,6 +419,7 @@ async def _grade_once(
         )
         flags.update(runner_flags)
         resolved = all(o == "passed" for o in tests.values())
+        exit_reason = ""
         if resolved and ordinary is not None and record is not None:
             # A pass also needs the task's own command, run as the environment runs it.
             wanted.set_result(True)
@@ -427,10 +428,16 @@ async def _grade_once(
                 verdict["reason"] = plain.error
                 return _done(traj, None, verdict, flags, t0)
             missing = vetoed(plain, record.ordinary)
+            exited = exit_vetoed(plain, record.ordinary_exit)
             notes["ordinary"] = {"exit_code": plain.exit_code, "timed_out": plain.timed_out}
             if plain.unread:
                 notes["ordinary"]["unread"] = plain.unread
-            if missing:
+            if exited:
+                exit_reason = (
+                    f"the task's own command exited {plain.exit_code} (timed out: "
+                    f"{plain.timed_out}) where the gold patch's exited 0"
+                )
+            if missing or exited:
                 flags.add("ordinary_failed")
                 notes["ordinary"]["failed"] = missing[:20]
                 tests = {t: ("failed_ordinarily" if t in missing else o) for t, o in tests.items()}
@@ -439,6 +446,8 @@ async def _grade_once(
         if not resolved:
             bad = sorted(t for t, o in tests.items() if o != "passed")
             verdict["reason"] = f"{len(bad)} required test(s) did not pass: {', '.join(bad[:5])}"
+            if not bad:  # only the command's own exit status
+                verdict["reason"] = exit_reason
         return _done(traj, 1.0 if resolved else 0.0, verdict, flags, t0)
     finally:
         if not wanted.done():

@@ -92,6 +92,8 @@ class GoldRecord:
     #: required tests the gold patch passes in its ordinary run (`ordinary.py`), which a
     #: candidate's ordinary run must pass too
     ordinary: list[str] = field(default_factory=list)
+    #: the exit status of the gold patch's ordinary run (0: every test it ran passed)
+    ordinary_exit: int | None = None
 
     def gold(self) -> assertions.Gold:
         return assertions.Gold(
@@ -233,13 +235,14 @@ class GoldStore:
                 False, f"the empty patch's run failed here: {empty.reason}", first.sources, [], []
             )
         passes: list[str] = []
+        exit_code = None
         if ordinary is not None:
             plain = await ordinary()
             if plain.error:
                 return GoldRecord(
                     False, f"the gold patch's ordinary run failed here: {plain.error}", {}, [], []
                 )
-            passes = sorted(plain.passed)
+            passes, exit_code = sorted(plain.passed), plain.exit_code
         return GoldRecord(
             True,
             "",
@@ -249,4 +252,5 @@ class GoldStore:
             sorted(untabled),
             _assertion_records(empty.records),
             passes,
+            exit_code,
         )

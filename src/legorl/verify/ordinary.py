@@ -46,8 +46,11 @@ from legorl.verify.tree import apply_model_patch, apply_test_patch
 #: Lines longer than this are not read (a reading linear in what the run printed).
 LINE = 4096
 #: Status words of pytest's summary lines and unittest's verbose lines, as outcomes.
-_PYTEST = {"PASSED": "passed", "XFAIL": "passed", "FAILED": "failed", "ERROR": "error"}
-_UNITTEST = {"ok": "passed", "expected failure": "passed", "FAIL": "failed", "ERROR": "error"}
+#: What a status word of the printed output means. An expected failure is no pass (round 48:
+#: a patch marked the required test expected to fail everywhere but the judged run, through
+#: pytest's and unittest's own means, and its failure was read as a pass), as in the judged run.
+_PYTEST = {"PASSED": "passed", "XFAIL": "xfailed", "FAILED": "failed", "ERROR": "error"}
+_UNITTEST = {"ok": "passed", "expected failure": "xfailed", "FAIL": "failed", "ERROR": "error"}
 
 
 @dataclass(slots=True)
@@ -123,7 +126,7 @@ async def read(grader: Grader, log: str, task: Task) -> tuple[dict[str, str], st
     required = {*task.FAIL_TO_PASS, *task.PASS_TO_PASS}
     if grader.parser is not None:
         parsed, error = await parse_capped(grader.parser, log, task)
-        words = {"PASSED": "passed", "XFAIL": "passed", "FAILED": "failed", "ERROR": "error"}
+        words = {"PASSED": "passed", "XFAIL": "xfailed", "FAILED": "failed", "ERROR": "error"}
         out = {t: words.get(s, "skipped") for t, s in parsed.items() if t in required}
         if grader.kind == "unittest":  # Django's parser reads no two-line description
             for test, outcome in read_unittest(log, required).items():
@@ -209,3 +212,11 @@ async def ordinary_run(
 def vetoed(candidate: OrdinaryRun, gold_passes: list[str]) -> list[str]:
     """The required tests the gold patch's ordinary run passes and the candidate's does not."""
     return [t for t in gold_passes if t not in candidate.passed]
+
+
+def exit_vetoed(candidate: OrdinaryRun, gold_exit: int | None) -> bool:
+    """Whether the task's command failed (or never finished) for the candidate where it
+    succeeded for the gold patch: the runner's own verdict on every test it ran, which no
+    reading of its lines can miss (round 48: a required test's failure printed where neither
+    reader tied it to the test)."""
+    return gold_exit == 0 and candidate.exit_code != 0
