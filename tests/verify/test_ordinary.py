@@ -271,3 +271,34 @@ def test_the_ordinary_runs_command_waits_for_the_judged_verdict(backend: str) ->
             break
         time.sleep(0.2)
     assert _marked() == []
+
+
+def test_a_gold_ordinary_run_cut_short_is_no_record(tmp_path: Path) -> None:
+    # Round 50 (read): a gold ordinary run that timed out was kept as the task's record, with
+    # whatever it had read passing (nothing) and no exit status, so no candidate's ordinary run
+    # was held to anything for that task from then on. It is now a failed recording, never
+    # cached, and the next grading records again. The recorder and the ordinary run here are
+    # stand-ins (this test is about the store).
+    import asyncio
+
+    from legorl.verify.gold import GoldRun, GoldStore
+
+    async def recorder(*args: object, **kw: object) -> GoldRun:
+        return GoldRun(ok=True, sources={"tests/test_x.py": ""})
+
+    def ordinary(run: OrdinaryRun):  # type: ignore[no-untyped-def]
+        async def go() -> OrdinaryRun:
+            return run
+
+        return go
+
+    task = toy_task()
+    store = GoldStore(tmp_path)
+    cut = OrdinaryRun(exit_code=None, timed_out=True)
+    found = asyncio.run(store.get(task, recorder, ordinary=ordinary(cut)))
+    assert not found.ok and "did not finish" in found.reason, found
+    assert not list(tmp_path.glob("*.json"))  # not kept
+    done = OrdinaryRun(outcomes={t: "passed" for t in task.FAIL_TO_PASS}, exit_code=0)
+    found = asyncio.run(GoldStore(tmp_path).get(task, recorder, ordinary=ordinary(done)))
+    assert found.ok and found.ordinary_exit == 0 and found.ordinary == sorted(task.FAIL_TO_PASS)
+    assert len(list(tmp_path.glob("*.json"))) == 1

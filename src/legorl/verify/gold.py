@@ -238,9 +238,12 @@ class GoldStore:
         exit_code = None
         if ordinary is not None:
             plain = await ordinary()
-            if plain.error:
+            # A run cut short is no record of what the gold patch's run passes: kept, it would
+            # hold no candidate to anything for the task (round 50, read).
+            why = plain.error or (plain.timed_out and "it did not finish in time")
+            if why:
                 return GoldRecord(
-                    False, f"the gold patch's ordinary run failed here: {plain.error}", {}, [], []
+                    False, f"the gold patch's ordinary run failed here: {why}", {}, [], []
                 )
             passes, exit_code = sorted(plain.passed), plain.exit_code
         return GoldRecord(
