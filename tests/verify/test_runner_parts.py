@@ -756,6 +756,78 @@ def test_a_type_check_matches_the_gold_runs_class_not_its_name(tmp_path: Path) -
     assert verdicts[key].outcome == "failed" and "class" in verdicts[key].detail, verdicts[key]
 
 
+def test_a_class_is_named_from_the_interpreters_own_modules(tmp_path: Path) -> None:
+    # Round 51 (toolz-real-9): the sender looked a class's name up through ``sys.modules``,
+    # read when it named the class, so code under test rebound it to a dict subclass whose
+    # lookup served a module in which the expected class's name led to a class of its own:
+    # that class passed ``isinstance(x, Real)`` in the judged run. The same through a module
+    # whose class makes ``__dict__`` a property. The interpreter's own table and a module's
+    # own namespace are read now, as taken before any code under test ran.
+    tests = """
+    from lib import Real, make
+
+
+    def test_type():
+        assert isinstance(make(), Real)
+    """
+    lib = "class Real:\n    pass\n\n\n"
+    gold = lib + "def make():\n    return Real()\n"
+    base = lib + "def make():\n    return object()\n"
+    impostor = lib + textwrap.dedent(
+        """\
+        import sys, types
+
+
+        class _Impostor:
+            pass
+
+
+        _Impostor.__qualname__, _Impostor.__module__ = "Real", "lib"
+
+
+        def make():
+            return _Impostor()
+
+
+        def _fake():
+            fake = types.ModuleType("lib")
+            fake.Real = _Impostor
+            return fake
+        """
+    )
+    view = impostor + textwrap.dedent(
+        """\
+
+
+        class _View(dict):
+            def __getitem__(self, name):
+                return _fake() if name == "lib" else dict.__getitem__(self, name)
+
+
+        sys.modules = _View(sys.modules)
+        """
+    )
+    own_dict = impostor + textwrap.dedent(
+        """\
+
+
+        class _Module(types.ModuleType):
+            @property
+            def __dict__(self):
+                return {"Real": _Impostor}
+
+
+        sys.modules[__name__].__class__ = _Module
+        """
+    )
+    key = f"{TESTS}::test_type"
+    verdicts, _ = _judge(tmp_path / "gold", gold, tests, gold, base)
+    assert verdicts[key].outcome == "passed", verdicts[key]
+    for name, candidate in (("view", view), ("own_dict", own_dict)):
+        verdicts, _ = _judge(tmp_path / name, candidate, tests, gold, base)
+        assert verdicts[key].outcome == "failed", (name, verdicts[key])
+
+
 def test_literals_leave_the_test_file_and_the_judge_holds_them() -> None:
     plan = rewrite.plan_files(
         REQUIRED, {TESTS: textwrap.dedent(LIB_TESTS)}, django=False, pytest=True, inproc=set()

@@ -156,7 +156,12 @@ _MRO = type.__dict__["__mro__"].__get__
 _MODULE = type.__dict__["__module__"].__get__
 _QUALNAME = type.__dict__["__qualname__"].__get__
 _TYPE_DICT = type.__dict__["__dict__"].__get__
-_MODULE_DICT = object.__getattribute__
+# the interpreter's own table of modules and a module's own namespace, the same way: code under
+# test can rebind ``sys.modules`` to a dict subclass whose lookup runs code inside the sender,
+# or give a module a class whose ``__dict__`` is a property, and hand a class of its own the
+# name of the one a check expects (round 51)
+_MODULES = sys.modules
+_MODULE_NS = type(sys).__dict__["__dict__"].__get__  # type: ignore[index]
 # the library functions the sender calls, taken before any code under test runs (round 18)
 _marshal = marshal.dumps
 _b64 = binascii.b2a_base64
@@ -188,7 +193,7 @@ def _resolve(module, qualname):
     if module == "builtins":
         return _BUILTIN_TYPES.get(qualname, _NOWHERE)
     try:
-        space = _MODULE_DICT(sys.modules[module], "__dict__")
+        space = _MODULE_NS(dict.get(_MODULES, module))
         found = _NOWHERE
         for part in qualname.split("."):
             found = dict.get(space, part, _NOWHERE) if type(space) is dict else _NOWHERE
