@@ -761,8 +761,9 @@ def test_a_class_is_named_from_the_interpreters_own_modules(tmp_path: Path) -> N
     # read when it named the class, so code under test rebound it to a dict subclass whose
     # lookup served a module in which the expected class's name led to a class of its own:
     # that class passed ``isinstance(x, Real)`` in the judged run. The same through a module
-    # whose class makes ``__dict__`` a property. The interpreter's own table and a module's
-    # own namespace are read now, as taken before any code under test ran.
+    # whose class makes ``__dict__`` a property, and through a key of the namespace whose
+    # ``__eq__`` a lookup calls. The interpreter's own table and a module's own namespace are
+    # read now, as taken before any code under test ran, and only their exact str keys.
     tests = """
     from lib import Real, make
 
@@ -820,10 +821,41 @@ def test_a_class_is_named_from_the_interpreters_own_modules(tmp_path: Path) -> N
         sys.modules[__name__].__class__ = _Module
         """
     )
+    # A key of the module's namespace that is not an exact str, whose hash meets the name's
+    # and whose __eq__ says yes only to the sender's lookup, put there before the real class.
+    collider = textwrap.dedent(
+        """\
+        import sys
+
+
+        class _Key(str):
+            def __hash__(self):
+                return str.__hash__("Real")
+
+            def __eq__(self, other):
+                return other == "Real" and sys._getframe(1).f_code.co_name != "<module>"
+
+
+        class _Impostor:
+            pass
+
+
+        _Impostor.__qualname__, _Impostor.__module__ = "Real", "lib"
+        globals()[_Key("Real2")] = _Impostor
+
+
+        class Real:
+            pass
+
+
+        def make():
+            return _Impostor()
+        """
+    )
     key = f"{TESTS}::test_type"
     verdicts, _ = _judge(tmp_path / "gold", gold, tests, gold, base)
     assert verdicts[key].outcome == "passed", verdicts[key]
-    for name, candidate in (("view", view), ("own_dict", own_dict)):
+    for name, candidate in (("view", view), ("own_dict", own_dict), ("collider", collider)):
         verdicts, _ = _judge(tmp_path / name, candidate, tests, gold, base)
         assert verdicts[key].outcome == "failed", (name, verdicts[key])
 

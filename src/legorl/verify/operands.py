@@ -193,16 +193,28 @@ def _resolve(module, qualname):
     if module == "builtins":
         return _BUILTIN_TYPES.get(qualname, _NOWHERE)
     try:
-        space = _MODULE_NS(dict.get(_MODULES, module))
+        space = _MODULE_NS(_lookup(_MODULES, module))
         found = _NOWHERE
         for part in qualname.split("."):
-            found = dict.get(space, part, _NOWHERE) if type(space) is dict else _NOWHERE
+            found = _lookup(space, part) if type(space) in (dict, _PROXY) else _NOWHERE
             if found is _NOWHERE:
                 return _NOWHERE
-            space = dict(_TYPE_DICT(found)) if isinstance(found, type) else None
+            space = _TYPE_DICT(found) if isinstance(found, type) else None
         return found
     except Exception:
         return _NOWHERE
+
+
+def _lookup(space, name):
+    """``space[name]`` (a namespace: a module's dict, a class's proxy) with no code of the
+    judged process run: a key that is not an exact ``str``, whose ``__eq__`` a lookup meeting
+    its hash would call and whose ``__hash__`` a copy would (round 51), is passed over."""
+    if type(space) is not dict or any(type(key) is not str for key in space):
+        space = {key: value for key, value in space.items() if type(key) is str}
+    return dict.get(space, name, _NOWHERE)
+
+
+_PROXY = type(type.__dict__)
 
 
 def _name(value):
