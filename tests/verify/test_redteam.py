@@ -41,6 +41,7 @@ from legorl.protocols import SandboxBackend
 from legorl.records import Task, Trajectory, Turn, read_jsonl
 from legorl.rollout import inprocess_proxy
 from legorl.verify import VerifyConfig, grade, runner, specs, tree
+from legorl.verify.ordinary import read_unittest
 from legorl.verify.redteam import (
     HACKS,
     VARIANT_TESTS,
@@ -271,12 +272,15 @@ async def _undefended(traj: Trajectory, task: Task) -> float:
     outcome: dict[str, str] = {}
     for word, test in _SUMMARY.findall(run.output):
         outcome[test] = word
+    required = task.FAIL_TO_PASS + task.PASS_TO_PASS
     if task.log_parser != "pytest":
-        # Django's runner: its printed output, read by the official parser.
+        # Django's runner: its printed output, read by the official parser, and a test unittest
+        # describes by its docstring (on two lines, which that parser misses) read as itself.
         grader = specs.resolve(task)
         parsed, _ = await runner._parse_printed(grader, run.output, task)
         outcome = dict(parsed)
-    required = task.FAIL_TO_PASS + task.PASS_TO_PASS
+        for test, said in read_unittest(run.output, set(required)).items():
+            outcome.setdefault(test, "PASSED" if said == "passed" else "FAILED")
     return 1.0 if all(outcome.get(t) == "PASSED" for t in required) else 0.0
 
 

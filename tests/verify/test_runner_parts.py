@@ -1574,3 +1574,97 @@ def test_count_equal_is_judged_as_unittest_does_and_in_bounded_work(
     monkeypatch.setattr(assertions, "COUNT_EQ_BUDGET", 1000)
     assert not assertions._count_eq(lists, lists[::-1])  # 45,150 comparisons needed
     assert assertions._count_eq(lists[:10], lists[:10][::-1])
+
+
+def test_no_code_of_the_values_classes_runs_inside_the_sender(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Round 52: code under test ran inside the sender while it packed an operand, and changed
+    # what went out: datetime's classes read from the module at send time (a class whose
+    # metaclass's __subclasscheck__ swapped the value's fields for the expected ones), a
+    # namespace entry whose __class__ property ran when the sender asked whether it was a
+    # class, a class compared with ``==`` (a metaclass's __eq__), a module dropped from
+    # sys.modules so that a class of the patch's kept the name of the one a check expects,
+    # an exception's __str__ editing the class names already read, a warning's message.
+    # Each hook below records that it ran; the control shows Python itself calls it.
+    import datetime as dt
+
+    from legorl.verify import operands
+
+    ran: list[str] = []
+
+    class Meta(type):
+        def __eq__(cls, other):  # type: ignore[override]
+            ran.append("eq")
+            return NotImplemented
+
+        __hash__ = type.__hash__
+
+        def __subclasscheck__(cls, other):
+            ran.append("subclasscheck")
+            return type.__subclasscheck__(cls, other)
+
+    class Listy(list, metaclass=Meta):
+        pass
+
+    class Tick(dt.timedelta, metaclass=Meta):
+        pass
+
+    class Ghost:
+        @property  # type: ignore[misc]
+        def __class__(self):
+            ran.append("class")
+            return type
+
+    Listy.__qualname__ = "ghost.inner"
+    sent: list[dict] = []
+    monkeypatch.setattr(operands, "_emit", [sent.append])
+    fake = type(sys)("ghost")
+    fake.ghost = Ghost()
+    monkeypatch.setitem(sys.modules, "ghost", fake)
+    Listy.__module__ = "ghost"
+    # The controls: Python calls each hook.
+    assert Listy in (list,) or ran == ["eq"]
+    issubclass(list, Tick)
+    assert isinstance(fake.ghost, type) and ran == ["eq", "subclasscheck", "class"]
+    ran.clear()
+    # datetime's own class swapped after the sender was loaded: its captured one is read.
+    monkeypatch.setattr(dt, "timedelta", Tick)
+    operands.check("s", Listy([3, 1, 2]), Tick(seconds=5))
+    assert ran == [], ran
+    values = [assertions.decode({"site": "s", "v": sent[0]["v"]})]
+    event = values[0]
+    assert event is not None and event.values[0] == [3, 1, 2], event
+    assert event.values[1] == dt.timedelta(seconds=5)
+    # A module dropped from sys.modules: a class claiming to be in it is named ``?``.
+    monkeypatch.delitem(sys.modules, "decimal", raising=False)
+    impostor = type("Decimal", (), {"__module__": "decimal"})
+    assert operands.mro(impostor())[0] == ["?", "?"]
+    # An exception's __str__ runs before the class names are read, so it cannot edit them.
+
+    class Loud(Exception):
+        def __str__(self):
+            frame = sys._getframe(1)
+            names = frame.f_locals.get("names")
+            if isinstance(names, list):
+                names[:] = [["builtins", "ValueError"]]
+            ran.append("str")
+            return "loud"
+
+    sent.clear()
+    with operands.raises("r", contextlib.suppress(Exception)):
+        raise Loud
+    assert (
+        ran == ["str"]
+        and sent[0]["v"][0]["t"][0][1]
+        == "test_no_code_of_the_values_classes_runs_inside_the_sender.<locals>.Loud"
+    )
+    # A warning's message that is not a str goes out as ``?``, its __str__ never called.
+
+    class Said:
+        def __str__(self):
+            ran.append("warn-str")
+            return "said"
+
+    assert operands._warning_text(UserWarning(Said())) == "?"
+    assert operands._warning_text(UserWarning("plain")) == "plain" and "warn-str" not in ran

@@ -40,7 +40,12 @@ import warnings
 HELD = object()  # a stripped operand's place: the judge holds its value
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
 _MAX_DEPTH = 40
-_DATETIME = datetime  # the module as it was before any code under test ran
+# datetime's classes as they were before any code under test ran (round 52: the module was
+# read at send time, and a class put there whose metaclass's ``__subclasscheck__`` ran the
+# patch's code inside the sender, which swapped the value's fields for the expected ones)
+_TIMEDELTA, _DATETIME, _DATE, _TIME, _TIMEZONE = (
+    datetime.timedelta, datetime.datetime, datetime.date, datetime.time, datetime.timezone
+)  # fmt: skip
 _ODICT = collections.OrderedDict
 _ODICT_ITER = collections.OrderedDict.__iter__  # its own order, not a subclass's __iter__
 _emit: list = [None]  # the channel's writer, set by the bootstrap
@@ -55,7 +60,9 @@ class NotPlain(Exception):
 def plain(value, depth=0):
     """``value`` as exact built-in types, or NotPlain."""
     kind = type(value)
-    if kind in _SCALARS:
+    # Identity only, and C-level checks below: no code of the value's class runs here (round
+    # 52: ``kind in (...)`` compares with ``==``, which a metaclass's ``__eq__`` answers).
+    if any(kind is scalar for scalar in _SCALARS):
         return value
     if depth > _MAX_DEPTH:
         raise NotPlain("too deep")
@@ -85,6 +92,9 @@ def plain(value, depth=0):
     if issubclass(kind, _ODICT):
         # In its own order, which its equality with another OrderedDict compares (round 33: a
         # plain dict's copy lost it): tagged, and rebuilt as one by the judge.
+        # Its keys hashed again by its own order's walk: only keys whose hash is C's.
+        if not all(_exact_key(k) for k in dict.__iter__(value)):
+            raise NotPlain("an OrderedDict key not of a built-in type")
         pairs = [[k, dict.__getitem__(value, k)] for k in _ODICT_ITER(value)]
         return (..., "odict", [[plain(k, depth + 1), plain(v, depth + 1)] for k, v in pairs])
     if issubclass(kind, dict):
@@ -97,7 +107,15 @@ def plain(value, depth=0):
     moment = _moment(value, kind)
     if moment is not None:
         return moment
-    raise NotPlain(f"{kind.__module__}.{kind.__qualname__}")
+    raise NotPlain(f"{_name(_MODULE(kind))}.{_name(_QUALNAME(kind))}")
+
+
+def _exact_key(key, depth=0):
+    """Whether hashing ``key`` runs only C code: a built-in scalar, or a tuple of them."""
+    kind = type(key)
+    if kind is tuple and depth < _MAX_DEPTH:
+        return all(_exact_key(k, depth + 1) for k in key)
+    return any(kind is scalar for scalar in _SCALARS)
 
 
 def _moment(value, kind):
@@ -105,30 +123,29 @@ def _moment(value, kind):
     descriptors; the judge rebuilds each as its type (`assertions.decode`), so it compares
     them as Python does. A tag leads with ``...``, which no plain value holds (``plain``
     refuses it), so a tuple of the code under test's cannot pass for one (round 33)."""
-    dt = _DATETIME
 
-    def get(cls, name):
+    def get(cls, name):  # the captured C class's own descriptor
         return getattr(cls, name).__get__(value)
 
-    if issubclass(kind, dt.timedelta):
+    if issubclass(kind, _TIMEDELTA):
         return (
             ...,
             "timedelta",
-            get(dt.timedelta, "days"),
-            get(dt.timedelta, "seconds"),
-            get(dt.timedelta, "microseconds"),
+            get(_TIMEDELTA, "days"),
+            get(_TIMEDELTA, "seconds"),
+            get(_TIMEDELTA, "microseconds"),
         )
-    if issubclass(kind, dt.datetime):
+    if issubclass(kind, _DATETIME):
         fields = [
-            get(dt.datetime, n)
+            get(_DATETIME, n)
             for n in ("year", "month", "day", "hour", "minute", "second", "microsecond")
         ]
-        zone = get(dt.datetime, "tzinfo")
+        zone = get(_DATETIME, "tzinfo")
         if zone is None:
             return (..., "datetime", *fields)
-        if type(zone) is not dt.timezone:
+        if type(zone) is not _TIMEZONE:
             return None
-        naive = dt.datetime(*fields) - dt.timezone.utcoffset(zone, None)
+        naive = _DATETIME(*fields) - _TIMEZONE.utcoffset(zone, None)
         return (
             ...,
             "datetime-utc",
@@ -137,10 +154,10 @@ def _moment(value, kind):
                 for n in ("year", "month", "day", "hour", "minute", "second", "microsecond")
             ),
         )
-    if issubclass(kind, dt.date):
-        return (..., "date", get(dt.date, "year"), get(dt.date, "month"), get(dt.date, "day"))
-    if issubclass(kind, dt.time) and get(dt.time, "tzinfo") is None:
-        fields = [get(dt.time, n) for n in ("hour", "minute", "second", "microsecond")]
+    if issubclass(kind, _DATE):
+        return (..., "date", get(_DATE, "year"), get(_DATE, "month"), get(_DATE, "day"))
+    if issubclass(kind, _TIME) and get(_TIME, "tzinfo") is None:
+        fields = [get(_TIME, n) for n in ("hour", "minute", "second", "microsecond")]
         return (..., "time", *fields)
     return None
 
@@ -156,12 +173,28 @@ _MRO = type.__dict__["__mro__"].__get__
 _MODULE = type.__dict__["__module__"].__get__
 _QUALNAME = type.__dict__["__qualname__"].__get__
 _TYPE_DICT = type.__dict__["__dict__"].__get__
+# What kind of built-in object a value is, from its class's flags (set from its base when the
+# class is made, never by code of its own): ``isinstance`` would read a ``__class__`` property
+# (round 52)
+_FLAGS = type.__dict__["__flags__"].__get__
+_STR_FLAG, _EXC_FLAG, _TYPE_FLAG = 1 << 28, 1 << 30, 1 << 31  # Py_TPFLAGS_*_SUBCLASS
+
+
+def _is_str(value):
+    return bool(_FLAGS(type(value)) & _STR_FLAG)
+
+
+def _is_type(value):
+    return bool(_FLAGS(type(value)) & _TYPE_FLAG)
+
+
 # the interpreter's own table of modules and a module's own namespace, the same way: code under
 # test can rebind ``sys.modules`` to a dict subclass whose lookup runs code inside the sender,
 # or give a module a class whose ``__dict__`` is a property, and hand a class of its own the
 # name of the one a check expects (round 51)
 _MODULES = sys.modules
 _MODULE_NS = type(sys).__dict__["__dict__"].__get__  # type: ignore[index]
+_MODULE_TYPE = type(sys)
 # the library functions the sender calls, taken before any code under test runs (round 18)
 _marshal = marshal.dumps
 _b64 = binascii.b2a_base64
@@ -173,33 +206,40 @@ _BUILTIN_TYPES = {k: v for k, v in vars(builtins).items() if isinstance(v, type)
 def _class_names(cls):
     """[module, qualname] of each class of ``cls``'s MRO. A class is named by where its name
     leads: one whose module and qualname lead to another class (a class of the patch's that
-    calls itself ``builtins.IndexError``, round 17) is named ``?``; one they lead nowhere
-    (a class local to a function) keeps them."""
+    calls itself ``builtins.IndexError``, round 17) is named ``?``, and so is one whose
+    module is not loaded (round 52: a patch that dropped ``decimal`` from ``sys.modules`` named
+    a class of its own ``decimal.Decimal``); one they lead nowhere in its loaded module (a
+    class local to a function) keeps them."""
     out = []
     for c in _MRO(cls):
         module, qualname = _name(_MODULE(c)), _name(_QUALNAME(c))
         found = _resolve(module, qualname)
-        if found is not _NOWHERE and found is not c:
+        if found is _LOST or (found is not _NOWHERE and found is not c):
             module, qualname = "?", "?"
         out.append([module, qualname])
     return out
 
 
 _NOWHERE = object()
+_LOST = object()  # the name's module is not loaded
 
 
 def _resolve(module, qualname):
     """The object ``module.qualname`` names now (built-ins: as they were), or _NOWHERE."""
     if module == "builtins":
         return _BUILTIN_TYPES.get(qualname, _NOWHERE)
+    loaded = _lookup(_MODULES, module)
+    if not issubclass(type(loaded), _MODULE_TYPE):  # its second argument decides: C's
+        return _LOST
     try:
-        space = _MODULE_NS(_lookup(_MODULES, module))
+        space = _MODULE_NS(loaded)
         found = _NOWHERE
         for part in qualname.split("."):
-            found = _lookup(space, part) if type(space) in (dict, _PROXY) else _NOWHERE
+            kind = type(space)
+            found = _lookup(space, part) if kind is dict or kind is _PROXY else _NOWHERE
             if found is _NOWHERE:
                 return _NOWHERE
-            space = _TYPE_DICT(found) if isinstance(found, type) else None
+            space = _TYPE_DICT(found) if _is_type(found) else None
         return found
     except Exception:
         return _NOWHERE
@@ -218,7 +258,7 @@ _PROXY = type(type.__dict__)
 
 
 def _name(value):
-    return str.__str__(value) if isinstance(value, str) else "?"
+    return str.__str__(value) if _is_str(value) else "?"
 
 
 def _send(record):
@@ -342,7 +382,9 @@ def _error_classes(value):
     """Whether ``value`` is an exception class or a tuple of them."""
     try:
         items = value if type(value) is tuple else (value,)
-        return bool(items) and all(isinstance(v, type) and BaseException in _MRO(v) for v in items)
+        return bool(items) and all(
+            _is_type(v) and any(c is BaseException for c in _MRO(v)) for v in items
+        )
     except Exception:
         return False
 
@@ -514,18 +556,20 @@ class raises:
         return self.inner.__enter__()
 
     def __exit__(self, kind, value, tb):
-        names = None
-        if kind is not None:
-            names = _class_names(kind)
+        site, inner, message = self.site, self.inner, self.message
+        # The message first: ``str(value)`` is the exception's own code, the only code of the
+        # patch's that runs here; what the sender reads after it (the class names, from the
+        # exception itself) does not exist yet for it to change (round 52, read).
         said = {"x": "nothing raised"}
         if value is not None:
             try:
                 said = _pack(str(value))
             except Exception as exc:  # an exception whose __str__ raises says nothing
-                said = {"x": type(exc).__name__}
-        wanted = [_pack(m) for m in self.message[:1]]
-        _send({"event": "a", "site": self.site, "v": [{"t": names}, said, *wanted]})
-        return self.inner.__exit__(kind, value, tb)
+                said = {"x": _name(_QUALNAME(type(exc)))}
+        names = None if kind is None else _class_names(kind)
+        wanted = [_pack(m) for m in message[:1]]
+        _send({"event": "a", "site": site, "v": [{"t": names}, said, *wanted]})
+        return inner.__exit__(kind, value, tb)
 
 
 class warns:
@@ -558,12 +602,7 @@ class warns:
             self._mine = None
         said = []
         for item in log[:64]:
-            message = item.message
-            try:
-                text = BaseException.__str__(message) if isinstance(message, BaseException) else ""
-            except Exception:
-                text = ""
-            said.append([_class_names(item.category), str.__str__(text)[:2000]])
+            said.append([_class_names(item.category), _warning_text(item.message)[:2000]])
         wanted = [_pack(m) for m in self.message[:1]]
         _send({"event": "a", "site": self.site, "v": [_pack(said), *wanted]})
         for item in log:  # to the test's own manager, as they came
@@ -572,6 +611,18 @@ class warns:
         return self.inner.__exit__(kind, value, tb)
 
 
+def _warning_text(message):
+    """A warning's text as ``str`` gives it where that runs no code of the judged process's:
+    its one argument when it is a ``str``; nothing for none; ``?`` otherwise (round 52)."""
+    if not _FLAGS(type(message)) & _EXC_FLAG:
+        return ""
+    args = _ARGS(message)
+    if len(args) == 1 and _is_str(args[0]):
+        return str.__str__(args[0])
+    return "" if not args else "?"
+
+
+_ARGS = BaseException.__dict__["args"].__get__
 _CATCH_WARNINGS = warnings.catch_warnings
 _SIMPLEFILTER = warnings.simplefilter
 _WARN_EXPLICIT = warnings.warn_explicit
@@ -601,7 +652,7 @@ class test:
         return self
 
     def __exit__(self, kind, value, tb):
-        exc = None if kind is None else str(kind.__qualname__)
+        exc = None if kind is None else _name(_QUALNAME(kind))
         _send({"event": "te", "exc": exc, "n": getattr(self, "_token", "")})
         return False
 
