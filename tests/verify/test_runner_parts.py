@@ -1668,3 +1668,36 @@ def test_no_code_of_the_values_classes_runs_inside_the_sender(
 
     assert operands._warning_text(UserWarning(Said())) == "?"
     assert operands._warning_text(UserWarning("plain")) == "plain" and "warn-str" not in ran
+
+
+def test_the_senders_warning_recorder_uses_the_warnings_module_as_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Round 53: ``catch_warnings`` takes the warnings module from sys.modules when it is made,
+    # and code under test swapped in one whose __setattr__ ran inside the sender's recorder and
+    # added a warning to its log for a block that warned nothing.
+    import warnings
+
+    from legorl.verify import operands
+
+    ran: list[str] = []
+
+    class Swapped(type(warnings)):  # type: ignore[misc]
+        def __setattr__(self, name: str, value: object) -> None:
+            ran.append(name)
+            type(warnings).__setattr__(self, name, value)
+
+    fake = Swapped("warnings")
+    fake.__dict__.update(vars(warnings))
+    monkeypatch.setitem(sys.modules, "warnings", fake)
+    with warnings.catch_warnings(record=True):  # the control: the swapped module is used
+        pass
+    assert ran, "the control's hook did not run"
+    ran.clear()
+    sent: list[dict] = []
+    monkeypatch.setattr(operands, "_emit", [sent.append])
+    with operands.warns("w", contextlib.nullcontext()):
+        pass
+    assert ran == [], ran
+    event = assertions.decode({"site": "w", "v": sent[0]["v"]})
+    assert event is not None and event.values[0] == [], event

@@ -589,7 +589,9 @@ class warns:
 
     def __enter__(self):
         out = self.inner.__enter__()
-        mine = _CATCH_WARNINGS(record=True)
+        # The warnings module as it was: ``catch_warnings`` would take the one in sys.modules
+        # now, which code under test can swap for one that runs inside the sender (round 53).
+        mine = _CATCH_WARNINGS(record=True, module=_WARNINGS)
         self._log = mine.__enter__()
         self._mine = mine
         _SIMPLEFILTER("always")
@@ -623,6 +625,7 @@ def _warning_text(message):
 
 
 _ARGS = BaseException.__dict__["args"].__get__
+_WARNINGS = warnings
 _CATCH_WARNINGS = warnings.catch_warnings
 _SIMPLEFILTER = warnings.simplefilter
 _WARN_EXPLICIT = warnings.warn_explicit
