@@ -1632,8 +1632,7 @@ def test_no_code_of_the_values_classes_runs_inside_the_sender(
     monkeypatch.setattr(dt, "timedelta", Tick)
     operands.check("s", Listy([3, 1, 2]), Tick(seconds=5))
     assert ran == [], ran
-    values = [assertions.decode({"site": "s", "v": sent[0]["v"]})]
-    event = values[0]
+    event = assertions.decode({"site": "s", "v": sent[0]["v"]})
     assert event is not None and event.values[0] == [3, 1, 2], event
     assert event.values[1] == dt.timedelta(seconds=5)
     # A module dropped from sys.modules: a class claiming to be in it is named ``?``.
@@ -1654,11 +1653,8 @@ def test_no_code_of_the_values_classes_runs_inside_the_sender(
     sent.clear()
     with operands.raises("r", contextlib.suppress(Exception)):
         raise Loud
-    assert (
-        ran == ["str"]
-        and sent[0]["v"][0]["t"][0][1]
-        == "test_no_code_of_the_values_classes_runs_inside_the_sender.<locals>.Loud"
-    )
+    assert ran == ["str"]
+    assert sent[0]["v"][0]["t"][0][1].endswith(".<locals>.Loud"), sent  # not ValueError
     # A warning's message that is not a str goes out as ``?``, its __str__ never called.
 
     class Said:

@@ -62,7 +62,7 @@ def plain(value, depth=0):
     kind = type(value)
     # Identity only, and C-level checks below: no code of the value's class runs here (round
     # 52: ``kind in (...)`` compares with ``==``, which a metaclass's ``__eq__`` answers).
-    if any(kind is scalar for scalar in _SCALARS):
+    if _is_scalar(kind):
         return value
     if depth > _MAX_DEPTH:
         raise NotPlain("too deep")
@@ -110,12 +110,17 @@ def plain(value, depth=0):
     raise NotPlain(f"{_name(_MODULE(kind))}.{_name(_QUALNAME(kind))}")
 
 
+def _is_scalar(kind):
+    """Whether ``kind`` is one of ``_SCALARS``, by identity."""
+    return any(kind is scalar for scalar in _SCALARS)
+
+
 def _exact_key(key, depth=0):
     """Whether hashing ``key`` runs only C code: a built-in scalar, or a tuple of them."""
     kind = type(key)
     if kind is tuple and depth < _MAX_DEPTH:
         return all(_exact_key(k, depth + 1) for k in key)
-    return any(kind is scalar for scalar in _SCALARS)
+    return _is_scalar(kind)
 
 
 def _moment(value, kind):
