@@ -730,3 +730,23 @@ def test_a_docker_grading_container_reaps_what_its_judged_commands_orphan(
     # The control: `sleep` as the first process, which never waits for the orphans it gets.
     monkeypatch.setattr(module, "_REAPER", ["sleep"])
     assert run(go()).split() == ["zombies", "1"]
+
+
+def test_a_host_folder_no_overlay_can_name_is_refused_by_name(tmp_path: Path) -> None:
+    # An overlay's lower folder cannot hold ':' or ',' (the mount's own separators): such a
+    # host folder is refused with its name, before any mount is made; and a file mounted below
+    # a host folder past the copy limit is refused with its size.
+    from legorl.protocols import SandboxError
+    from legorl.sandbox import view
+
+    found = view.View(tmp_path, [])
+    odd = tmp_path / "a:b"
+    odd.mkdir()
+    with pytest.raises(SandboxError, match=f"{odd}.*':'"):
+        found.ro_bind(str(odd), "/opt/ab")
+    big = tmp_path / "big"
+    with open(big, "wb") as fh:
+        fh.truncate(view.COPY_LIMIT + 1)
+    with pytest.raises(SandboxError, match=f"{big}.*{view.COPY_LIMIT + 1} bytes"):
+        found._copy(str(big))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a:b", "big"]  # nothing made
