@@ -165,11 +165,18 @@ class Limits:
 @dataclass(slots=True, kw_only=True)
 class ExecResult:
     exit_code: int | None  # None when killed (timeout, limit)
-    output: str  # stdout and stderr interleaved, cut at Limits.output_bytes
+    data: bytes = b""  # stdout and stderr interleaved, cut at Limits.output_bytes
     timed_out: bool = False
     truncated: bool = False
     killed_by: str | None = None  # "timeout" | "memory" | "pids" | "wall" | None
     duration_s: float = 0.0
+
+    @property
+    def output(self) -> str:
+        """``data`` as text, undecodable bytes replaced (decoded on each use: a reader of a
+        large binary stream, such as the judged run's records, reads ``data`` and never holds
+        a text copy four times its size)."""
+        return self.data.decode("utf-8", "replace")
 
 
 class SandboxError(RuntimeError):

@@ -41,7 +41,7 @@ def read_stream(
     seconds = time.monotonic() - t0
     writer.join(5)
     theirs.close()
-    return cap.text(), seconds
+    return cap.data().decode("utf-8", "replace"), seconds
 
 
 def test_output_of_a_command_that_starts_late_is_read() -> None:

@@ -402,7 +402,8 @@ def test_a_tree_too_deep_for_rmtree_goes_with_its_sandbox(
     # A judged command leaves a 3,000-deep tree in /tmp and /testbed: Python's rmtree
     # recursed once per level and raised RecursionError, which left the folder behind for
     # good and made the next start's gc raise (a later trajectory's grading failed).
-    from legorl.sandbox.local_backend import gc_local, remove_folder
+    from legorl.sandbox.common import remove_folder
+    from legorl.sandbox.local_backend import gc_local
 
     deep = (
         "import os, sys\n"
@@ -652,14 +653,16 @@ def test_judged_commands_of_two_sandboxes_share_no_lockable_file(
     # containers each have an overlay root.
     import asyncio
 
-    from legorl.sandbox import local_backend, view
+    from legorl.sandbox import local_backend
+    from legorl.sandbox.common import mount_points
 
     roots: list[str] = []
 
     async def go(same: bool) -> dict[str, list[bool]]:
         one = await _start(backend, grading=True)
         two = one if same else await _start(backend, grading=True)
-        roots.extend(str(getattr(box, "root", "")) for box in (one, two))
+        # A local sandbox's folder; a Docker grading container's, which holds its view
+        roots.extend(str(getattr(box, "root", None) or box._folder) for box in (one, two))
         try:
             holding = asyncio.Event()  # set when the holder says it holds
             loop = asyncio.get_running_loop()  # Docker's output comes on the exec's thread
@@ -682,8 +685,8 @@ def test_judged_commands_of_two_sandboxes_share_no_lockable_file(
 
     seen = run(go(same=False))
     assert len(seen) >= 7 and not any(any(v) for v in seen.values()), seen
-    if backend.name == "local":  # the views' mounts went with their sandboxes
-        assert not [p for p in view._mount_points() if any(p.startswith(r) for r in roots)]
+    # The views' mounts went with their sandboxes.
+    assert not [p for p in mount_points() if any(p.startswith(r) for r in roots)]
     # The control: two judged commands of one sandbox see each other's locks on every file.
     seen = run(go(same=True))
     assert len(seen) >= 7 and all(all(v) for v in seen.values()), seen

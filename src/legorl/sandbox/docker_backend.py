@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from legorl.protocols import READ_LIMIT, ExecResult, FileTooLarge, Limits, SandboxError
-from legorl.sandbox import cgroups, tree_probe
+from legorl.sandbox import cgroups, memory_root, tree_probe
 from legorl.sandbox.common import (
     BASE_PATH,
     GRADING_CAPS,
@@ -62,6 +62,7 @@ from legorl.sandbox.common import (
     owner_alive,
     owner_tag,
     parse_counters,
+    remove_folder,
     state_root,
     touch_usage,
     write_owner,
@@ -160,7 +161,7 @@ class DockerSandbox:
         limits: Limits,
         base_sha: str,
         relay: Relay | None,
-        rundir: Path | None,
+        folder: Path | None,
         runtime: bool,
         image: str = "",
         env_path: str = BASE_PATH,
@@ -181,7 +182,7 @@ class DockerSandbox:
         self.base_sha = base_sha
         self.image = image
         self._relay = relay
-        self._rundir = rundir
+        self._folder = folder  # its relay's socket, its private view (`memory_root.py`)
         self._deadline = Deadline(limits.wall_s)
         self._cgroups: cgroups.CgroupSet | None = None
         self._closed = False
@@ -253,7 +254,7 @@ class DockerSandbox:
         private = judged_env(self._judged_folder()) if judged else {}
         left = self._deadline.left()
         if left <= 0:
-            return ExecResult(exit_code=None, output="", timed_out=True, killed_by="wall")
+            return ExecResult(exit_code=None, timed_out=True, killed_by="wall")
         wall_bound = left < timeout
         budget = min(timeout, left)
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
@@ -309,7 +310,7 @@ class DockerSandbox:
             code = None
         return ExecResult(
             exit_code=code,
-            output=cap.text(),
+            data=cap.data(),
             timed_out=timed_out,
             truncated=cap.truncated,
             killed_by=killed_by,
@@ -642,8 +643,8 @@ class DockerSandbox:
         self.backend.remove_container(self.container_id)
         if self._relay is not None:
             self._relay.close()
-        if self._rundir is not None:
-            shutil.rmtree(self._rundir.parent, ignore_errors=True)
+        if self._folder is not None and self._folder.exists():
+            remove_folder(self._folder)
 
 
 def _short(exc: BaseException) -> str:
@@ -753,7 +754,7 @@ class DockerBackend:
             limits=limits,
             base_sha=base_sha,
             relay=None,
-            rundir=None,
+            folder=None,
             runtime=False,
         )
 
@@ -860,6 +861,22 @@ class DockerBackend:
             binds = {str(rundir): {"bind": RELAY_DIR, "mode": "ro"}}
         lockdown: dict[str, Any] = {"cap_drop": ["NET_RAW", "MKNOD", "AUDIT_WRITE"]}
         if grading:
+            # What a judged run reads comes from a copy of the image's root on tmpfs, whose
+            # pages no other sandbox can drop or load (`memory_root.py`, round 44's channel).
+            tree = memory_root.image_tree(self.api, info["Id"])
+            folder = state_root() / name
+            folder.mkdir(exist_ok=True)
+            write_owner(folder, run_id, task.instance_id)
+            try:
+                view = memory_root.private_view(tree, folder)
+            except BaseException:
+                remove_folder(folder)
+                raise
+            for entry in memory_root.top_entries(tree):
+                if not (proxy_url and entry == "run"):  # the relay's folder is mounted there
+                    mounts.append(
+                        Mount(f"/{entry}", str(view / entry), type="bind", read_only=True)
+                    )
             # The image's files read-only; /testbed and /tmp size-capped tmpfs, the image's
             # repository copied into /testbed once the container runs (`fill_repo`).
             lockdown = {
@@ -932,8 +949,7 @@ class DockerBackend:
                     self.remove_container(cid)
             if relay is not None:
                 relay.close()
-            if rundir is not None:
-                shutil.rmtree(rundir.parent, ignore_errors=True)
+            remove_folder(state_root() / name)
             if isinstance(exc, SandboxError):
                 raise
             raise SandboxError(
@@ -946,7 +962,7 @@ class DockerBackend:
             limits=limits,
             base_sha=base_sha,
             relay=relay,
-            rundir=rundir,
+            folder=state_root() / name,
             runtime=harness_runtime,
             image=tag,
             env_path=env_path,

@@ -66,6 +66,7 @@ from legorl.sandbox.common import (
     judged_env,
     judged_uid,
     owner_alive,
+    remove_folder,
     state_root,
     touch_usage,
     write_owner,
@@ -595,7 +596,7 @@ class LocalSandbox:
         private = judged_env(await in_thread(self._judged_folder)) if judged else {}
         left = self._deadline.left()
         if left <= 0:
-            return ExecResult(exit_code=None, output="", timed_out=True, killed_by="wall"), b""
+            return ExecResult(exit_code=None, timed_out=True, killed_by="wall"), b""
         wall_bound = left < timeout
         budget = min(timeout, left)
         cap = OutputCap(self.limits.output_bytes if output_limit is None else output_limit)
@@ -650,13 +651,13 @@ class LocalSandbox:
             code = None
         result = ExecResult(
             exit_code=code,
-            output=cap.text(),
+            data=cap.data(),
             timed_out=timed_out,
             truncated=cap.truncated,
             killed_by=killed_by,
             duration_s=duration,
         )
-        return result, cap.data()
+        return result, result.data
 
     # -- files (through the sandbox, so a symlink planted by the agent leads nowhere outside)
 
@@ -921,20 +922,6 @@ def _mount_grading_tmpfs(root: Path) -> None:
     if done.returncode != 0:
         why = (done.stderr.strip().splitlines() or ["mount failed"])[-1]
         raise SandboxError(f"cannot mount a tmpfs on {root} (grading needs root): {why}")
-
-
-def remove_folder(folder: Path) -> None:
-    """Remove a sandbox's private folder, whatever a judged command left in it: its tmpfs
-    detached first, then ``rm -rf``, which walks a tree of any depth (Python's ``rmtree``
-    recurses once per level and raises ``RecursionError`` on a deep one). Never raises."""
-    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-        if os.path.ismount(folder):
-            subprocess.run(["umount", "-l", str(folder)], capture_output=True, timeout=60)
-        subprocess.run(
-            ["rm", "-rf", "--one-file-system", "--", str(folder)],
-            capture_output=True,
-            timeout=3600,
-        )
 
 
 def gc_local(*, everything: bool = False, dry_run: bool = False) -> list[str]:

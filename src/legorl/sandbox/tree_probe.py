@@ -331,15 +331,25 @@ def shadowable(extra_dirs: list[str], repo: str) -> list[str]:
     return sorted(names)
 
 
-def _text(git: dict[str, str], root: str, row: dict[str, Any]) -> dict[str, str | None]:
+def _text(
+    git: dict[str, str], root: str, row: dict[str, Any], budget: list[int]
+) -> dict[str, str | None]:
+    """A changed file's texts before and after, each at most ``budget[1]`` bytes and all of
+    them at most ``budget[0]`` (spent here); past either, None: the judge reads a text it was
+    not given as changed, as it does one past its own parse limits."""
+
+    def cut(data: bytes) -> str | None:
+        if len(data) > min(budget):
+            return None
+        budget[0] -= len(data)
+        return data.decode("utf-8", "replace")
+
     before = after = None
     if row["before"]:
-        before = _run(clean_git("cat-file", "blob", row["before"][1], **git)).decode(
-            "utf-8", "replace"
-        )
+        before = cut(_run(clean_git("cat-file", "blob", row["before"][1], **git)))
     if row["after"] and row["after"][0] != "120000":
         with open(os.path.join(root, row["path"]), "rb") as fh:
-            after = fh.read().decode("utf-8", "replace")
+            after = cut(fh.read(min(budget) + 1))
     return {"before_text": before, "after_text": after}
 
 
@@ -389,9 +399,10 @@ def main(request_path: str) -> int:
         if mode == "survey":  # grading, after the patch: what changed, and what it may shadow
             rows, odd = changes(root, git, req["base"])
             texts = set(req.get("texts", ()))
+            budget = [req.get("text_budget", 1 << 20), req.get("text_bytes", 1 << 20)]
             for row in rows:
                 if os.path.basename(row["path"]) in texts:
-                    row.update(_text(git, root, row))
+                    row.update(_text(git, root, row, budget))
             now, _ = walk(req["gitdir"][0])
             then, _ = walk(req["gitdir"][1])
             result = {

@@ -15,7 +15,7 @@ command: one superblock per folder per sandbox. A mount below a folder (a file D
 into ``/etc``, a folder mounted into ``/usr``) gets the same, an overlay or a private copy.
 The device nodes a sandbox's ``/dev`` holds are its own too, made on a tmpfs of its own.
 Every mount lives below the sandbox's folder and goes when it is detached
-(``local_backend.remove_folder``).
+(``common.remove_folder``).
 
     view = mount_view(root / "view")
     flags = view.ro_bind("/usr", "/usr") + view.devices()
@@ -24,15 +24,14 @@ Every mount lives below the sandbox's folder and goes when it is detached
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
-import re
 import shutil
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from legorl.protocols import SandboxError
+from legorl.sandbox.common import mount_points
 
 #: The device nodes bubblewrap's ``--dev`` binds from the host, each replaced by a node of
 #: the sandbox's own.
@@ -50,14 +49,6 @@ def _mount(source: str, target: Path, fstype: str, flags: int, data: str) -> Non
     if done != 0:
         err = ctypes.get_errno()
         raise SandboxError(f"cannot mount {fstype} on {target} ({source}): {os.strerror(err)}")
-
-
-def _mount_points() -> list[str]:
-    """This process's mount points, from /proc/self/mountinfo (octal escapes undone)."""
-    with open("/proc/self/mountinfo", "rb") as fh:
-        fields = [line.split(b" ")[4] for line in fh]
-    unescape = functools.partial(re.sub, rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]))
-    return [os.fsdecode(unescape(raw)) for raw in fields]
 
 
 @dataclass
@@ -134,7 +125,7 @@ def mount_view(root: Path) -> View:
     each host folder as ``View.ro_bind`` first names it."""
     root.mkdir(mode=0o755)
     (root / "empty").mkdir()
-    view = View(root, _mount_points())
+    view = View(root, mount_points())
     dev = root / "dev"
     dev.mkdir()
     # A tmpfs of its own: the sandbox's tmpfs is nodev, and a device node there would not open.

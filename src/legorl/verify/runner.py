@@ -247,7 +247,7 @@ async def run_tests(
     parsed, parse_error = await _parse_printed(grader, printed, task)
     # Read once, and every reading of it off the event loop: the stream is what the judged run
     # wrote (up to its cap); decoding its operands took 9 s of the loop (round 9).
-    found, forged = await asyncio.to_thread(records, run.output.encode(), key.encode())
+    found, forged = await asyncio.to_thread(records, run.data, key.encode())
     if grader.kind == "output":
         results = _from_printed(parsed, task)
     else:

@@ -504,6 +504,10 @@ async def _judge_tree(
         python=_python(),
         base=base,
         texts=sorted(PYTEST_SECTIONS),
+        # No more text than the judge would parse crosses (round 55: thirty 1 MiB setup.cfg
+        # files grew the judge by 400 MB); one it was not given is a changed configuration.
+        text_bytes=CONFIG_BYTES,
+        text_budget=CONFIG_BUDGET,
         extra_dirs=[GRADE_DIR],
         gitdir=[f"{sandbox.workdir}/.git", ORIG_GIT],
         diff_index=f"{GRADE_DIR}/judged.idx",

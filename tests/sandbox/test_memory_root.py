@@ -1,0 +1,130 @@
+"""Docker grading containers read their image's files from a copy on tmpfs (`memory_root.py`):
+no page another sandbox can drop or load carries state into a judged run (round 44)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sandbox_fixtures import (  # noqa: F401  (fixtures are found by name)
+    TASKS_DIR,
+    fixture_docker_backend,
+    run,
+    run_id,
+    task,
+)
+
+from legorl.protocols import SandboxError
+from legorl.sandbox import memory_root
+
+# The file system of every file the interpreter mapped (itself, libc, extension modules) or
+# imported (the standard library, the env's packages), and of each mount.
+_WHERE = r"""
+import json, os, sys, pytest
+def lower(path):
+    best, found = "", "?"
+    for line in open("/proc/self/mountinfo"):
+        f = line.split()
+        point, sep = f[4], f.index("-")
+        if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            opts = dict(o.partition("=")[::2] for o in f[sep + 3].split(","))
+            best, found = point, f[sep + 1] + ":" + opts.get("lowerdir", "")
+    return found
+files = {os.path.realpath(l.split()[-1]) for l in open("/proc/self/maps") if l.split()[-1].startswith("/")}
+files |= {os.path.realpath(m.__file__) for m in list(sys.modules.values()) if getattr(m, "__file__", None)}
+print(json.dumps({p: lower(p) for p in sorted(files)}))
+"""
+
+
+async def _where(backend: Any, grading: bool) -> dict[str, str]:
+    box = await backend.start(task(), str(TASKS_DIR), run_id=run_id(), grading=grading)
+    try:
+        r = await box.exec(["python", "-c", _WHERE], judged=grading)
+        assert r.exit_code == 0, r.output
+        return dict(json.loads(r.output.strip().splitlines()[-1]))
+    finally:
+        await box.close()
+
+
+def test_a_docker_judged_run_reads_only_files_on_tmpfs(docker_backend: Any) -> None:
+    # Round 44: a right trajectory set which pages of a large read-only image file were cached
+    # (read one, or drop it with posix_fadvise), and a wrong one, graded later, timed its reads
+    # of them to learn the answers. Page cache belongs to a file, and an overlay root reads
+    # the image layer's file. A tmpfs file's pages are memory no reader can drop.
+    seen = run(_where(docker_backend, grading=True))
+    assert any("libc" in p for p in seen) and any(p.endswith("/pytest/__init__.py") for p in seen)
+    # Each file is read through the container's own overlay (inodes of its own, round 43),
+    # whose lower folders are the image's tree on tmpfs and an empty folder.
+    lowers = {where.partition(":")[2] for where in seen.values()}
+    assert {where.partition(":")[0] for where in seen.values()} == {"overlay"}, seen
+    folders = {folder for lower in lowers for folder in lower.split(":")}
+    assert all(memory_root.mount_of(folder)[0] == "tmpfs" for folder in folders), folders
+    assert any(folder.startswith(str(memory_root.roots_dir())) for folder in folders), folders
+    # The control: an agent's container reads the same files through the image's layers, on
+    # the disk's file system.
+    seen = run(_where(docker_backend, grading=False))
+    lowers = {where.partition(":")[2] for where in seen.values()}
+    folders = {folder for lower in lowers for folder in lower.split(":") if folder}
+    assert folders and all(memory_root.mount_of(f)[0] != "tmpfs" for f in folders), folders
+
+
+def _export(entries: list[tuple[str, bytes | None, int]]) -> list[bytes]:
+    """An exported root as tar chunks: (name, content or None for a folder, mode)."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        for name, data, mode in entries:
+            info = tarfile.TarInfo(name)
+            info.mode, info.mtime = mode, 1_700_000_000
+            if data is None:
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    raw = out.getvalue()
+    return [raw[i : i + 700] for i in range(0, len(raw), 700)]  # chunks cut mid-header
+
+
+def test_two_images_share_the_store_and_gc_frees_what_no_tree_links(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LEGORL_MEMORY_ROOTS", str(tmp_path))
+    monkeypatch.setattr(memory_root, "mount_of", lambda path: ("tmpfs", {"rw"}))
+    root = memory_root.roots_dir()
+    base = [("usr", None, 0o755), ("usr/lib", None, 0o555), ("usr/lib/libc.so", b"elf", 0o755)]
+    for key, extra in (("a" * 12, b"one"), ("b" * 12, b"two")):
+        memory_root._unpack(
+            _export([*base, ("etc", None, 0o755), ("etc/os", extra, 0o644),
+                     ("testbed", None, 0o755), ("testbed/x.py", b"no", 0o644)]),
+            root / "trees" / key,
+            root / "store",
+        )  # fmt: skip
+    a, b = root / "trees" / ("a" * 12), root / "trees" / ("b" * 12)
+    assert os.path.samefile(a / "usr/lib/libc.so", b / "usr/lib/libc.so")  # one copy in memory
+    assert (a / "etc/os").read_bytes() == b"one" and (b / "etc/os").read_bytes() == b"two"
+    assert oct((a / "usr/lib").stat().st_mode & 0o777) == "0o555"
+    assert memory_root.top_entries(a) == ["etc", "usr"]  # its own repository is not copied
+    assert len(list((root / "store").iterdir())) == 3
+    assert memory_root.gc({"sha256:" + "b" * 12}) == ["a" * 12]
+    assert not a.exists() and b.exists()
+    assert len(list((root / "store").iterdir())) == 2  # "one" went with the tree
+
+
+def test_a_memory_root_folder_that_is_not_an_executable_tmpfs_is_refused_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LEGORL_MEMORY_ROOTS", str(tmp_path / "roots"))
+    kind, _ = memory_root.mount_of(tmp_path)
+    if kind != "tmpfs":
+        with pytest.raises(
+            SandboxError, match=f"LEGORL_MEMORY_ROOTS: {tmp_path}/roots is on {kind}"
+        ):
+            memory_root.roots_dir()
+    monkeypatch.setattr(memory_root, "mount_of", lambda path: ("tmpfs", {"rw", "noexec"}))
+    with pytest.raises(SandboxError, match="roots is on tmpfs mounted noexec"):
+        memory_root.roots_dir()
