@@ -1,5 +1,6 @@
-"""Docker grading containers read their image's files from a copy on tmpfs (`memory_root.py`):
-no page another sandbox can drop or load carries state into a judged run (round 44)."""
+"""A judged run reads its files from a copy on tmpfs (`memory_root.py`: the image's root on
+Docker, the host's files it needs on the local backend): no page another sandbox can drop or
+load carries state into it (round 44)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,16 @@ import io
 import json
 import os
 import tarfile
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from sandbox_fixtures import (  # noqa: F401  (fixtures are found by name)
     TASKS_DIR,
+    fixture_backend,
     fixture_docker_backend,
+    fixture_local_backend,
     run,
     run_id,
     task,
@@ -42,35 +46,47 @@ print(json.dumps({p: lower(p) for p in sorted(files)}))
 
 
 async def _where(backend: Any, grading: bool) -> dict[str, str]:
+    """Each file the interpreter mapped or imported: ``kind:lower:lower...``, each lower
+    folder (on the host) as ``folder=its file system``, read while the sandbox lives."""
     box = await backend.start(task(), str(TASKS_DIR), run_id=run_id(), grading=grading)
     try:
         r = await box.exec(["python", "-c", _WHERE], judged=grading)
         assert r.exit_code == 0, r.output
-        return dict(json.loads(r.output.strip().splitlines()[-1]))
+        seen = dict(json.loads(r.output.strip().splitlines()[-1]))
+        out = {}
+        for path, where in seen.items():
+            kind, _, lowers = where.partition(":")
+            folders = [f"{f}={memory_root.mount_of(f)[0]}" for f in lowers.split(":") if f]
+            out[path] = ":".join([kind, *folders])
+        return out
     finally:
         await box.close()
 
 
-def test_a_docker_judged_run_reads_only_files_on_tmpfs(docker_backend: Any) -> None:
+def test_a_judged_run_reads_only_files_on_tmpfs(backend: Any) -> None:
     # Round 44: a right trajectory set which pages of a large read-only image file were cached
     # (read one, or drop it with posix_fadvise), and a wrong one, graded later, timed its reads
-    # of them to learn the answers. Page cache belongs to a file, and an overlay root reads
-    # the image layer's file. A tmpfs file's pages are memory no reader can drop.
-    seen = run(_where(docker_backend, grading=True))
+    # of them to learn the answers. Page cache belongs to a file, and an overlay reads its
+    # lower file's; a tmpfs file's pages are memory no reader can drop.
+    seen = run(_where(backend, grading=True))
     assert any("libc" in p for p in seen) and any(p.endswith("/pytest/__init__.py") for p in seen)
-    # Each file is read through the container's own overlay (inodes of its own, round 43),
-    # whose lower folders are the image's tree on tmpfs and an empty folder.
-    lowers = {where.partition(":")[2] for where in seen.values()}
-    assert {where.partition(":")[0] for where in seen.values()} == {"overlay"}, seen
-    folders = {folder for lower in lowers for folder in lower.split(":")}
-    assert all(memory_root.mount_of(folder)[0] == "tmpfs" for folder in folders), folders
-    assert any(folder.startswith(str(memory_root.roots_dir())) for folder in folders), folders
-    # The control: an agent's container reads the same files through the image's layers, on
-    # the disk's file system.
-    seen = run(_where(docker_backend, grading=False))
-    lowers = {where.partition(":")[2] for where in seen.values()}
-    folders = {folder for lower in lowers for folder in lower.split(":") if folder}
-    assert folders and all(memory_root.mount_of(f)[0] != "tmpfs" for f in folders), folders
+    # Each file is read through an overlay of the sandbox's own (inodes of its own, round 43)
+    # whose lower folders are on tmpfs: the image's or the host's files copied there, and an
+    # empty folder.
+    assert {where.split(":")[0] for where in seen.values()} == {"overlay"}, seen
+    lowers = {lower for where in seen.values() for lower in where.split(":")[1:]}
+    assert all(lower.endswith("=tmpfs") for lower in lowers), lowers
+    assert any(lower.startswith(str(memory_root.roots_dir())) for lower in lowers), lowers
+    # The control: an agent's sandbox reads the same files from the disk's file system (the
+    # image's layers below its overlay root, or the host's folders bound).
+    seen = run(_where(backend, grading=False))
+    disk = {
+        path
+        for path, where in seen.items()
+        if (where.startswith("overlay:") and "=tmpfs" not in where)
+        or not where.startswith(("overlay:", "tmpfs"))
+    }
+    assert any("libc" in p for p in disk), seen
 
 
 def _export(entries: list[tuple[str, bytes | None, int]]) -> list[bytes]:
@@ -128,3 +144,38 @@ def test_a_memory_root_folder_that_is_not_an_executable_tmpfs_is_refused_by_name
     monkeypatch.setattr(memory_root, "mount_of", lambda path: ("tmpfs", {"rw", "noexec"}))
     with pytest.raises(SandboxError, match="roots is on tmpfs mounted noexec"):
         memory_root.roots_dir()
+
+
+def test_the_local_judged_files_are_the_python_its_env_etc_and_what_they_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+    import sysconfig
+
+    from legorl.sandbox.common import BASE_PATH
+
+    env = tmp_path / "venv"
+    (env / "lib" / "pkg").mkdir(parents=True)
+    (env / "lib" / "pkg" / "mod.py").write_text("x = 1\n")
+    (env / "lib" / "pkg" / "__pycache__").mkdir()
+    (env / "lib" / "pkg" / "__pycache__" / "mod.pyc").write_bytes(b"cached")
+    found = memory_root.host_files(sys.base_prefix, str(env), "/opt/legorl-env", BASE_PATH)
+    assert found["/opt/legorl-env/lib/pkg/mod.py"] == str(env / "lib" / "pkg" / "mod.py")
+    assert found["/opt/legorl-env/lib/pkg/__pycache__/mod.pyc"]  # the env's caches too
+    assert os.path.realpath("/bin/sh") in found.values() and "/etc/passwd" in found
+    stdlib = sysconfig.get_paths(vars={"installed_base": sys.base_prefix})["stdlib"]
+    assert os.path.join(stdlib, "os.py") in found
+    assert not any(dest.startswith(os.path.join(stdlib, "site-packages") + "/") for dest in found)
+    assert any(os.path.basename(dest).startswith("libc.so") for dest in found)  # by ldd
+    # Copied once; a tree unused for a day goes at the next gc, and its files with it.
+    monkeypatch.setenv("LEGORL_MEMORY_ROOTS", str(tmp_path / "roots"))
+    monkeypatch.setattr(memory_root, "mount_of", lambda path: ("tmpfs", {"rw"}))
+    small = {d: h for d, h in found.items() if d.startswith(("/opt/", "/etc/passwd"))}
+    tree = memory_root.host_tree(small)
+    assert (tree / "opt/legorl-env/lib/pkg/mod.py").read_text() == "x = 1\n"
+    assert memory_root.host_tree(small) == tree
+    assert memory_root.gc(None) == []
+    old = time.time() - memory_root.HOST_TREE_IDLE_S - 60
+    os.utime(tree, (old, old))
+    assert memory_root.gc(None) == [tree.name] and not tree.exists()
+    assert not list((tmp_path / "roots" / "store").iterdir())

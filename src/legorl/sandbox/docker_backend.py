@@ -1045,4 +1045,6 @@ def gc(
         out["volumes"].append(vol["Name"])
     if budget_gb is not None and not dry_run:
         out["images"] += backend.cache.gc_budget(budget_gb)
+    # The images' copies on tmpfs go with their images (`memory_root.py`).
+    out["memory_roots"] = memory_root.gc({img["Id"] for img in api.images()}, dry_run=dry_run)
     return out

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from legorl.protocols import READ_LIMIT, ExecResult, FileTooLarge, Limits, SandboxError
-from legorl.sandbox import cgroups, seccomp, tree_probe
+from legorl.sandbox import cgroups, memory_root, seccomp, tree_probe
 from legorl.sandbox.common import (
     BASE_PATH,
     ENV_DIR,
@@ -386,6 +386,23 @@ def _host_view(
     return args
 
 
+def _tree_view(tree: Path, view: View, prefix: str, mounts: list[str]) -> list[str]:
+    """bwrap arguments for a judged command's root: ``tree``'s top-level entries (through
+    ``view``), then ``mounts`` (the sandbox's own), then the Python below them, if it lives in
+    /root or /tmp."""
+    args = ["--hostname", "sandbox"]
+    below = ("root", "tmp")
+    for entry in sorted(tree.iterdir()):
+        if entry.is_symlink():
+            args += ["--symlink", os.readlink(entry), f"/{entry.name}"]
+        elif entry.name not in below:
+            args += view.ro_bind(str(entry), f"/{entry.name}")
+    args += mounts
+    if prefix.strip("/").split("/")[0] in below:
+        args += [*_parents(prefix, ()), *view.ro_bind(str(tree / prefix.lstrip("/")), prefix)]
+    return args
+
+
 def _parents(path: str, host_paths: tuple[str, ...]) -> list[str]:
     """``--dir`` (mode 0755) for the folders between a sandbox mount (/root, /tmp) and
     ``path``, unless a host folder bound read-only already holds them."""
@@ -422,6 +439,7 @@ class LocalSandbox:
         interpreter: str = "python3",
         grading: bool = False,
         view: View | None = None,
+        judged_tree: Path | None = None,
     ) -> None:
         self.backend = backend
         self.grading = grading
@@ -501,6 +519,19 @@ class LocalSandbox:
         if "/opt" in backend.config.host_paths:
             flags += ["--remount-ro", "/opt"]
         self._flags = flags
+        #: A grading sandbox's judged commands see the host's files only as copied to tmpfs
+        #: (`memory_root.host_files`), each folder through an overlay of the sandbox's own:
+        #: no page of them another sandbox can load or drop (round 44), no inode it can lock.
+        self._judged_flags = flags
+        if view is not None and judged_tree is not None:
+            self._judged_flags = _tree_view(judged_tree, view, python_prefix, [
+                "--proc", "/proc",
+                "--dev", "/dev",
+                *view.devices(),
+                "--bind", str(root / "tmp"), "/tmp",
+                *home,
+                "--bind", str(root / "repo"), WORKDIR,
+            ])  # fmt: skip
         self._last = ["--remount-ro", "/root", "--remount-ro", "/"] if grading else []
         self._port = inside_port(relay.port) if relay else None
 
@@ -526,7 +557,8 @@ class LocalSandbox:
                 _judged_filter(),
             ]  # fmt: skip
             argv = [*become, *argv]
-        full = [*head, *self._flags, *extra, *self._last, "--chdir", cwd or WORKDIR, "--", *argv]
+        flags = self._judged_flags if judged else self._flags
+        full = [*head, *flags, *extra, *self._last, "--chdir", cwd or WORKDIR, "--", *argv]
         prelude = []
         if self.grading:  # soft and hard: nothing inside can raise it again
             prelude.append(f"ulimit -n {GRADING_OPEN_FILES} || exit 125")
@@ -861,10 +893,15 @@ class LocalBackend:
         relay = None
         cg = None
         try:
-            view = None
+            view = tree = None
             if grading:
                 _mount_grading_tmpfs(root)
                 view = mount_view(root / "view")
+                # What a judged command reads of the host, copied to tmpfs (`memory_root.py`).
+                found = memory_root.host_files(
+                    base.recipe["prefix"], str(_layer_dir(env) / "venv"), ENV_DIR, BASE_PATH
+                )
+                tree = memory_root.host_tree(found)
             write_owner(root, run_id, task.instance_id)
             for sub in ("tmp", "home"):
                 (root / sub).mkdir()
@@ -892,6 +929,7 @@ class LocalBackend:
                 interpreter=base.recipe["interpreter"],
                 grading=grading,
                 view=view,
+                judged_tree=tree,
             )
         except BaseException:
             if relay is not None:
@@ -963,4 +1001,5 @@ def gc_local(*, everything: bool = False, dry_run: bool = False) -> list[str]:
                 continue
         if not dry_run:
             cgroups.CgroupSet.of_folder(path).remove()
+    memory_root.gc(None, dry_run=dry_run)  # the host's files copied for judged commands
     return removed

@@ -25,10 +25,13 @@ What stays on the image's overlay is the root folder itself: a name looked up di
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import os
 import shutil
+import stat
+import subprocess
 import tarfile
 import threading
 import time
@@ -213,23 +216,35 @@ def _stored(source: Any, member: tarfile.TarInfo, store: Path) -> Path:
     return path
 
 
-def gc(keep: set[str], *, dry_run: bool = False) -> list[str]:
-    """Remove the trees of images not in ``keep`` (image ids) and the store's files no tree
-    links to any more; the removed trees' keys."""
+#: A host tree unused this long goes at the next gc (its files changed, or it is no use).
+HOST_TREE_IDLE_S = 86400.0
+
+
+def gc(images: set[str] | None, *, dry_run: bool = False) -> list[str]:
+    """Remove the trees of images not in ``images`` (ids; None: leave images' trees alone),
+    host trees unused for ``HOST_TREE_IDLE_S``, half-made trees of an hour ago, and the
+    store's files no tree links to any more; the removed trees' names."""
     base = os.environ.get("LEGORL_MEMORY_ROOTS") or f"/dev/shm/legorl-roots-{os.getuid()}"
     root = Path(base)
     trees = root / "trees"
     if not trees.is_dir():
         return []
-    wanted = {_key(i) for i in keep}
+    wanted = None if images is None else {_key(i) for i in images}
     removed = []
+    now = time.time()
     for tree in trees.iterdir():
-        stale = tree.name.startswith(".") and time.time() - tree.stat().st_mtime > 3600
-        if (tree.name not in wanted and not tree.name.startswith(".")) or stale:
+        age = now - tree.stat().st_mtime
+        if tree.name.startswith("."):
+            doomed = age > 3600
+        elif tree.name.startswith("host-"):
+            doomed = age > HOST_TREE_IDLE_S
+        else:
+            doomed = wanted is not None and tree.name not in wanted
+        if doomed:
             removed.append(tree.name)
             if not dry_run:
                 _remove_tree(tree)
-    if not dry_run:
+    if removed and not dry_run:
         for path in _store_files(root / "store"):
             with contextlib.suppress(OSError):
                 if path.stat().st_nlink == 1:
@@ -247,3 +262,173 @@ def _remove_tree(tree: Path) -> None:
 def _store_files(store: Path) -> Iterator[Path]:
     if store.is_dir():
         yield from store.iterdir()
+
+
+# ---- the local backend: the host files a judged command needs ---------------------------------
+
+#: Folders of a Python installation a test run never reads: its own test suite, the IDE,
+#: Tk, the bundled wheels, the headers (and, below, its static library). Its bytecode caches
+#: stay: the judged interpreter (``-I``) reads the installation's and the env's, never the
+#: repository's (`runner._python`).
+_PREFIX_SKIPPED = frozenset(
+    {"site-packages", "test", "tests", "idlelib", "tkinter", "turtledemo", "ensurepip",
+     "include", "share"}
+)  # fmt: skip
+
+#: The programs of a shell script a judged command may run besides the interpreter, found on
+#: the sandbox's PATH. Any other host program is absent from a local judged run (a task whose
+#: tests run one is graded with the Docker backend, whose image holds all of its own).
+TOOLS = (
+    "sh", "env", "cat", "ls", "touch", "mkdir", "rm", "cp", "mv", "ln", "chmod", "sleep",
+    "echo", "true", "false", "test", "head", "tail", "wc", "sort", "uniq", "cut", "tr",
+    "grep", "sed", "id", "uname", "date", "dirname", "basename", "readlink", "find", "xargs",
+    "tee", "timeout", "kill", "ps", "awk", "printf", "stat", "which",
+)  # fmt: skip
+
+
+#: Where a link found in a walked folder may lead and be followed.
+_SYSTEM = ("/usr/", "/etc/", "/bin/", "/sbin/", "/lib/", "/lib64/", "/lib32/", "/libx32/")
+
+
+class _Files:
+    """Host paths (files, symlinks and the folders between) to copy, each at its own path
+    in the tree, or at ``dest`` given (the env, seen at /opt/legorl-env)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, str] = {}  # tree path -> host path
+
+    def add(self, host: str, dest: str | None = None, follow: bool = True) -> None:
+        """``host`` and, where a component of it is a symlink, the link and its target (of
+        the last component too, with ``follow``)."""
+        dest = dest or host
+        if dest in self.entries:
+            return
+        parts = host.strip("/").split("/")
+        for i in range(1, len(parts)):
+            above = "/" + "/".join(parts[:i])
+            if dest == host and os.path.islink(above):
+                self.entries.setdefault(above, above)
+                target = os.path.join(os.path.dirname(above), os.readlink(above))
+                self.add(os.path.normpath(os.path.join(target, *parts[i:])))
+                return
+        if os.path.islink(host):
+            self.entries[dest] = host
+            target = os.path.normpath(os.path.join(os.path.dirname(host), os.readlink(host)))
+            # A walked folder's link is followed into the system's folders only (/etc's
+            # os-release into /usr, never /etc/mtab into /proc).
+            if dest == host and (follow or target.startswith(_SYSTEM)):
+                self.add(target)
+        elif os.path.isfile(host):
+            self.entries[dest] = host
+
+    def walk(self, top: str, dest: str | None = None, skip: frozenset[str] = frozenset()) -> None:
+        for folder, dirs, files in os.walk(top):
+            dirs[:] = [d for d in dirs if d not in skip]
+            for name in files + [d for d in dirs if os.path.islink(os.path.join(folder, d))]:
+                if name.endswith(".a"):
+                    continue
+                host = os.path.join(folder, name)
+                self.add(host, None if dest is None else dest + host[len(top) :], follow=False)
+
+
+def _elf_needs(paths: list[str]) -> set[str]:
+    """The shared objects (and loader) the ELF files among ``paths`` load, by ``ldd``."""
+    elves = []
+    for path in paths:
+        with contextlib.suppress(OSError), open(path, "rb") as fh:
+            if fh.read(4) == b"\x7fELF":
+                elves.append(path)
+    found: set[str] = set()
+    for i in range(0, len(elves), 200):
+        done = subprocess.run(
+            ["ldd", *elves[i : i + 200]], capture_output=True, text=True, timeout=120
+        )
+        for line in done.stdout.splitlines():
+            words = line.split()
+            if "=>" in words and len(words) > words.index("=>") + 1:
+                path = words[words.index("=>") + 1]
+            elif words and words[0].startswith("/") and not line.endswith(":"):
+                path = words[0]
+            else:
+                continue
+            if path.startswith("/"):
+                found.add(path)
+    return found
+
+
+@functools.lru_cache(maxsize=16)
+def host_files(prefix: str, env_dir: str, env_dest: str, path: str) -> dict[str, str]:
+    """What a local judged command may read of the host: the Python installation (less what
+    a test run never reads), the env (at ``env_dest``), /etc, ``TOOLS`` found on ``path``,
+    the C.UTF-8 locale, and every shared object those load."""
+    files = _Files()
+    files.walk(prefix, skip=_PREFIX_SKIPPED)
+    files.walk(env_dir, env_dest)
+    files.walk("/etc")
+    for locale in ("/usr/lib/locale/C.utf8", "/usr/lib/locale/C.UTF-8"):
+        if os.path.isdir(locale):
+            files.walk(locale)
+    files.add("/bin/sh")  # a command given as a string runs in it (`LocalSandbox._argv`)
+    for tool in TOOLS:
+        found = shutil.which(tool, path=path)
+        if found:
+            files.add(found)
+    own = [h for d, h in files.entries.items() if d == h or not d.startswith(env_dest)]
+    for lib in sorted(_elf_needs([*own, *(h for h in files.entries.values() if h not in own)])):
+        files.add(lib)
+    return files.entries
+
+
+def host_tree(entries: dict[str, str]) -> Path:
+    """``entries`` (tree path -> host path) copied to tmpfs once per listing (paths, sizes,
+    modes, mtimes), their files hard links into the store shared with the images' trees."""
+    listing = []
+    for dest, host in sorted(entries.items()):
+        st = os.lstat(host)
+        listing.append((dest, host, st.st_size, st.st_mode, st.st_mtime_ns, st.st_uid, st.st_gid))
+    key = hashlib.sha256(repr(listing).encode()).hexdigest()[:32]
+    root = roots_dir()
+    final = root / "trees" / f"host-{key}"
+    if final.is_dir():
+        os.utime(final)  # its last use, for gc
+        return final
+    with build_lock(f"memory-root-host-{key}"):
+        if final.is_dir():
+            return final
+        partial = root / "trees" / f".host-{key}.{os.getpid()}"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        try:
+            _copy_host(listing, partial, root / "store")
+        except OSError as exc:
+            _remove_tree(partial)
+            raise SandboxError(f"cannot copy the host's files to {root}: {exc}") from None
+        os.rename(partial, final)
+    return final
+
+
+def _copy_host(listing: list[tuple[Any, ...]], tree: Path, store: Path) -> None:
+    store.mkdir(mode=0o700, exist_ok=True)
+    folders: set[str] = set()
+    for dest, host, _size, mode, mtime_ns, uid, gid in listing:
+        path = tree / dest.lstrip("/")
+        folders.update(str(p) for p in Path(dest).parents if str(p) != "/")
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if stat.S_ISLNK(mode):
+            os.symlink(os.readlink(host), path)
+            os.lchown(path, uid, gid)
+            continue
+        info = tarfile.TarInfo(dest)
+        info.mode, info.uid, info.gid, info.mtime = mode, uid, gid, mtime_ns // 10**9
+        with open(host, "rb") as fh:
+            os.link(_stored(fh, info, store), path)
+    # Each folder as the host's at that path has it (0755 root where the host has none: the
+    # env's folders above it), deepest first.
+    for folder in sorted(folders, key=lambda f: -f.count("/")):
+        try:
+            st = os.stat(folder)
+            owner, mode = (st.st_uid, st.st_gid), stat.S_IMODE(st.st_mode)
+        except OSError:
+            owner, mode = (0, 0), 0o755
+        os.chown(tree / folder.lstrip("/"), *owner)
+        os.chmod(tree / folder.lstrip("/"), mode)
