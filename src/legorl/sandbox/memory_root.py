@@ -35,7 +35,7 @@ import subprocess
 import tarfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -90,27 +90,44 @@ def _key(image_id: str) -> str:
 
 def image_tree(api: Any, image_id: str) -> Path:
     """The image's root unpacked on tmpfs (made on first use; concurrent callers wait)."""
-    root = roots_dir()
-    final = root / "trees" / _key(image_id)
-    if final.is_dir():
-        return final
-    with build_lock(f"memory-root-{_key(image_id)}"):
-        if final.is_dir():
-            return final
-        partial = root / "trees" / f".{_key(image_id)}.{os.getpid()}"
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        cid = api.create_container(image_id, command=["true"], labels={"legorl.build": "1"})["Id"]
+
+    import docker.errors
+
+    def fill(partial: Path, store: Path) -> None:
         try:
-            _unpack(api.export(cid), partial, root / "store")
-        except (OSError, tarfile.TarError) as exc:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise SandboxError(
-                f"{image_id}: cannot copy the image's root to {root}: {exc}"
-            ) from None
+            cid = api.create_container(image_id, command=["true"], labels={"legorl.build": "1"})
+        except docker.errors.APIError as exc:
+            raise OSError(f"cannot create a container: {exc}") from None
+        try:
+            _unpack(api.export(cid["Id"]), partial, store)
+        except docker.errors.APIError as exc:
+            raise OSError(f"cannot export its root: {exc}") from None
         finally:
             with contextlib.suppress(Exception):
-                api.remove_container(cid, force=True)
+                api.remove_container(cid["Id"], force=True)
+
+    return _tree(_key(image_id), fill, f"{image_id}: cannot copy the image's root")
+
+
+def _tree(name: str, fill: Callable[[Path, Path], None], failure: str) -> Path:
+    """``trees/<name>``, filled (``fill(folder, store)``) in a folder of its own and renamed
+    into place whole; made once, whoever asks at the same time waits for it."""
+    root = roots_dir()
+    final = root / "trees" / name
+    if final.is_dir():
+        os.utime(final)  # its last use, for gc
+        return final
+    with build_lock(f"memory-root-{name}"):
+        if final.is_dir():
+            return final
+        partial = root / "trees" / f".{name}.{os.getpid()}"
+        _remove_tree(partial)
+        partial.mkdir(parents=True)
+        try:
+            fill(partial, root / "store")
+        except (OSError, tarfile.TarError) as exc:
+            _remove_tree(partial)
+            raise SandboxError(f"{failure} to {root}: {exc}") from None
         os.rename(partial, final)
     return final
 
@@ -387,24 +404,11 @@ def host_tree(entries: dict[str, str]) -> Path:
         st = os.lstat(host)
         listing.append((dest, host, st.st_size, st.st_mode, st.st_mtime_ns, st.st_uid, st.st_gid))
     key = hashlib.sha256(repr(listing).encode()).hexdigest()[:32]
-    root = roots_dir()
-    final = root / "trees" / f"host-{key}"
-    if final.is_dir():
-        os.utime(final)  # its last use, for gc
-        return final
-    with build_lock(f"memory-root-host-{key}"):
-        if final.is_dir():
-            return final
-        partial = root / "trees" / f".host-{key}.{os.getpid()}"
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        try:
-            _copy_host(listing, partial, root / "store")
-        except OSError as exc:
-            _remove_tree(partial)
-            raise SandboxError(f"cannot copy the host's files to {root}: {exc}") from None
-        os.rename(partial, final)
-    return final
+    return _tree(
+        f"host-{key}",
+        lambda partial, store: _copy_host(listing, partial, store),
+        "cannot copy the host's files",
+    )
 
 
 def _copy_host(listing: list[tuple[Any, ...]], tree: Path, store: Path) -> None:
