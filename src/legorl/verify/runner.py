@@ -241,9 +241,10 @@ async def run_tests(
         stdin=stdin if through_bootstrap or "isolated_runner" in off else None,
         judged="judged_user" not in off,
     )
-    printed = run.output
-    if through_bootstrap:
-        printed = await _tail(sandbox, log)
+    # Through the bootstrap the run's output is its record stream, read as bytes below (as
+    # text, a stream of 64 MiB with one four-byte character in it took 256 MB, round 55),
+    # and what the tests printed is the log's tail.
+    printed = await _tail(sandbox, log) if through_bootstrap else run.output
     parsed, parse_error = await _parse_printed(grader, printed, task)
     # Read once, and every reading of it off the event loop: the stream is what the judged run
     # wrote (up to its cap); decoding its operands took 9 s of the loop (round 9).
