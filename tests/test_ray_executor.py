@@ -421,3 +421,59 @@ def test_the_ray_executor_is_an_executor_for_the_loop_s_work(
     assert sorted(g.trajectory_id for g in graded) == sorted(t.trajectory_id for t in trajs)
     assert all(g.verdict is not None for g in graded)
     assert sum(executor.stats.runs.values()) == 8  # 4 rollouts and 4 gradings
+
+
+def test_an_item_that_takes_down_workers_is_given_up_not_handed_to_every_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Round 55 (reasoned): a worker that dies gives its item back to the queue, and a
+    # trajectory whose grading reliably killed its worker would have gone round every node
+    # until none was left and the batch stopped. After `LOSSES` lost workers the item is given
+    # up (`crashed`); the others still run. No cluster: the workers are stand-ins whose calls
+    # finish at once, the poisoned item's by its worker dying.
+    import asyncio
+    import concurrent.futures
+
+    from ray.exceptions import ActorDiedError
+
+    from legorl.executors import ray as module
+
+    class _Call:
+        def __init__(self, item: str) -> None:
+            self.item = item
+
+        def future(self) -> concurrent.futures.Future[Any]:
+            out: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            if self.item == "poison":
+                out.set_exception(ActorDiedError())
+            else:
+                out.set_result(f"done {self.item}")
+            return out
+
+    workers = [module._Worker(node=n, node_id=n, slots=1, handle=None) for n in "abcd"]
+    stats = module.RayStats()
+
+    async def go() -> list[Any]:
+        return [
+            result
+            async for result in module.schedule(
+                None,
+                workers,
+                ["poison", "x", "y"],
+                lambda worker, item: _Call(item),
+                lambda item, node, exc: f"gave up {item} on {node}: {exc}",
+                stats,
+            )
+        ]
+
+    results = asyncio.run(go())
+    given_up = [r for r in results if r.startswith("gave up")]
+    assert sorted(r for r in results if r.startswith("done")) == ["done x", "done y"], results
+    assert len(given_up) == 1 and f"{module.LOSSES} workers were lost" in given_up[0], results
+    assert sum(stats.lost.values()) == module.LOSSES
+    assert sum(w.alive for w in workers) == len(workers) - module.LOSSES
+    # The control: with no bound the item takes down every worker, and the batch stops.
+    monkeypatch.setattr(module, "LOSSES", 100)
+    workers[:] = [module._Worker(node=n, node_id=n, slots=1, handle=None) for n in "abcd"]
+    with pytest.raises(module.ExecutorError, match="every node of the cluster is gone"):
+        asyncio.run(go())

@@ -368,6 +368,10 @@ def start_workers(ray: Any, setup: WorkerSetup, stats: RayStats) -> list[_Worker
     return usable
 
 
+#: How many workers an item may take down (dying while it ran there) before it is given up.
+LOSSES = 2
+
+
 async def schedule(
     ray: Any,
     workers: list[_Worker],
@@ -380,8 +384,9 @@ async def schedule(
 ) -> AsyncIterator[Trajectory]:
     """Hand ``items`` to the workers within their slots (and ``concurrency`` over all), yield
     each result as it comes. A worker that dies gives its items back to the queue, to run
-    elsewhere; a worker that raises on an item yields ``crashed(item, node, exc)`` and keeps
-    taking others."""
+    elsewhere, each at most ``LOSSES`` times: an item whose run took down that many workers
+    yields ``crashed(item, node, exc)`` instead, so that one item cannot take down every node
+    in turn. A worker that raises on an item yields ``crashed`` too and keeps taking others."""
     from ray.exceptions import (
         ActorDiedError,
         ActorUnavailableError,
@@ -395,10 +400,17 @@ async def schedule(
     flight: dict[asyncio.Future[Any], tuple[_Worker, Any]] = {}
     cap = concurrency if concurrency and concurrency > 0 else None
 
-    def lose(worker: _Worker, item: Any) -> None:
+    losses: Counter[int] = Counter()  # id(item) -> workers lost while it ran there
+
+    def lose(worker: _Worker, item: Any, exc: BaseException) -> Trajectory | None:
         worker.alive = False
         stats.lost[worker.node] += 1
+        losses[id(item)] += 1
+        if losses[id(item)] >= LOSSES:
+            why = ExecutorError(f"{LOSSES} workers were lost while it ran (the last: {exc})")
+            return crashed(item, worker.node, why)
         queue.appendleft((item, time.monotonic()))
+        return None
 
     try:
         while queue or flight:
@@ -426,13 +438,15 @@ async def schedule(
                 worker.busy -= 1
                 try:
                     result = fut.result()
-                except lost_types:
-                    lose(worker, item)
+                except lost_types as exc:
+                    if (given_up := lose(worker, item, exc)) is not None:
+                        yield given_up
                     continue
                 except RayTaskError as exc:
                     cause = exc.cause if isinstance(exc.cause, BaseException) else exc
                     if isinstance(cause, lost_types):
-                        lose(worker, item)
+                        if (given_up := lose(worker, item, cause)) is not None:
+                            yield given_up
                         continue
                     stats.crashes[worker.node] += 1
                     yield crashed(item, worker.node, cause)
@@ -602,6 +616,11 @@ class RayExecutor:
             return w.handle.grade.remote(replace(traj, turns=turns), tasks[traj.task_id])
 
         def crashed(traj: Trajectory, node: str, exc: BaseException) -> Trajectory:
+            if isinstance(exc, ExecutorError):  # its grading took down `LOSSES` workers
+                why = f"executor: grading it took down workers, the last on node {node}: {exc}"
+                verdict = {"resolved": False, "reason": why, "node": node}
+                flags = sorted({*traj.hack_flags, "grading_failed"})
+                return replace(traj, reward=0.0, verdict=verdict, hack_flags=flags)
             why = f"executor: the worker on node {node} raised {type(exc).__name__}: {exc}"
             verdict = {"resolved": None, "reason": why, "node": node}
             return replace(traj, reward=None, verdict=verdict)
