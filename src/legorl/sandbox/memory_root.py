@@ -28,6 +28,7 @@ import contextlib
 import functools
 import hashlib
 import io
+import json
 import os
 import shutil
 import stat
@@ -261,6 +262,10 @@ def gc(images: set[str] | None, *, dry_run: bool = False) -> list[str]:
             removed.append(tree.name)
             if not dry_run:
                 _remove_tree(tree)
+    for listing in (root / "ldd").glob("*.json") if not dry_run else ():
+        with contextlib.suppress(OSError):
+            if now - listing.stat().st_mtime > HOST_TREE_IDLE_S:
+                listing.unlink()
     if removed and not dry_run:
         for path in _store_files(root / "store"):
             with contextlib.suppress(OSError):
@@ -342,24 +347,39 @@ class _Files:
         for folder, dirs, files in os.walk(top):
             dirs[:] = [d for d in dirs if d not in skip]
             for name in files + [d for d in dirs if os.path.islink(os.path.join(folder, d))]:
-                if name.endswith(".a"):
+                if name.endswith(".a") or ".opt-" in name:  # no judged run is optimised
                     continue
                 host = os.path.join(folder, name)
                 self.add(host, None if dest is None else dest + host[len(top) :], follow=False)
 
 
 def _elf_needs(paths: list[str]) -> set[str]:
-    """The shared objects (and loader) the ELF files among ``paths`` load, by ``ldd``."""
+    """The shared objects (and loader) the ELF files among ``paths`` load, by ``ldd``; kept
+    beside the trees by the listing of those files (``ldd`` over an installation's few hundred
+    extension modules takes seconds)."""
     elves = []
     for path in paths:
         with contextlib.suppress(OSError), open(path, "rb") as fh:
             if fh.read(4) == b"\x7fELF":
-                elves.append(path)
+                st = os.fstat(fh.fileno())
+                elves.append((path, st.st_size, st.st_mtime_ns))
+    key = hashlib.sha256(repr(sorted(elves)).encode()).hexdigest()[:32]
+    cached = roots_dir() / "ldd" / f"{key}.json"
+    with contextlib.suppress(OSError, ValueError):
+        listed = set(json.loads(cached.read_text()))
+        os.utime(cached)  # its last use, for gc
+        return listed
     found: set[str] = set()
-    for i in range(0, len(elves), 200):
-        done = subprocess.run(
-            ["ldd", *elves[i : i + 200]], capture_output=True, text=True, timeout=120
-        )
+    names = [path for path, _, _ in elves]
+    for i in range(0, len(names), 200):
+        try:
+            done = subprocess.run(
+                ["ldd", *names[i : i + 200]], capture_output=True, text=True, timeout=120
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise SandboxError(
+                f"cannot list the libraries a judged command loads (ldd): {exc}"
+            ) from None
         for line in done.stdout.splitlines():
             words = line.split()
             if "=>" in words and len(words) > words.index("=>") + 1:
@@ -370,6 +390,10 @@ def _elf_needs(paths: list[str]) -> set[str]:
                 continue
             if path.startswith("/"):
                 found.add(path)
+    cached.parent.mkdir(exist_ok=True)
+    partial = cached.with_suffix(f".{os.getpid()}")
+    partial.write_text(json.dumps(sorted(found)))
+    os.replace(partial, cached)
     return found
 
 
