@@ -179,3 +179,37 @@ def test_the_local_judged_files_are_the_python_its_env_etc_and_what_they_load(
     os.utime(tree, (old, old))
     assert memory_root.gc(None) == [tree.name] and not tree.exists()
     assert not list((tmp_path / "roots" / "store").iterdir())
+
+
+_USES = (
+    "import multiprocessing, zoneinfo\n"
+    "out = []\n"
+    "try:\n"
+    "    zoneinfo.ZoneInfo('America/Chicago'); out.append('zones')\n"
+    "except Exception as exc:\n"
+    "    out.append(type(exc).__name__)\n"
+    "try:\n"
+    "    multiprocessing.Lock(); out.append('shm')\n"
+    "except Exception as exc:\n"
+    "    out.append(type(exc).__name__)\n"
+    "print(' '.join(out))\n"
+)
+
+
+def test_a_judged_run_has_the_time_zones_and_shared_memory_the_sandbox_has(backend: Any) -> None:
+    # Round 56: the local judged root had no time-zone files (Django's default settings name
+    # America/Chicago and failed to load, so no Django gold graded there), and bubblewrap's
+    # /dev/shm was root's, so multiprocessing's locks failed for the judged user.
+    async def go() -> tuple[str, str]:
+        box = await backend.start(task(), str(TASKS_DIR), run_id=run_id(), grading=True)
+        try:
+            judged = await box.exec(["python", "-c", _USES], judged=True)
+            root = await box.exec(["python", "-c", _USES])
+            return judged.output.strip(), root.output.strip()
+        finally:
+            await box.close()
+
+    judged, root = run(go())
+    assert judged == root, (judged, root)  # root's steps see the image's or host's own files
+    if backend.name == "local":
+        assert judged == "zones shm", judged

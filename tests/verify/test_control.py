@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from typing import Any
 
 from legorl.records import Task, Trajectory, Turn
 from legorl.verify.control import FLAG, Controls, graded_or_control
@@ -146,3 +147,35 @@ def test_a_failed_control_is_run_again_for_a_later_failure() -> None:
     assert first.reward is None and first.verdict["control"]["reward"] is None
     assert second.reward == 0.0 and FLAG in second.hack_flags
     assert third.reward == 0.0 and grade.controls == 2  # a control that graded is kept
+
+
+def test_a_gold_record_is_not_reused_once_the_sandbox_code_changed(monkeypatch: Any) -> None:
+    # Round 56: the gold record's key named the grader's files only. A record made where the
+    # gold passed was reused after the local judged root had lost the time-zone files, so
+    # every right patch got 0 there while the empty patch's control said the environment
+    # worked. The sandbox code that decides what a graded run sees is in the key now.
+    from pathlib import Path
+
+    from legorl.verify import gold
+
+    task = Task(
+        instance_id="t-1",
+        repo="r",
+        base_commit="abc",
+        patch="p",
+        test_patch="tp",
+        problem_statement="",
+        FAIL_TO_PASS=["t"],
+        PASS_TO_PASS=[],
+        version="1",
+        environment_setup_commit="abc",
+    )
+    before = gold.task_key(task, "local")
+    real = Path.read_bytes
+
+    def changed(path: Path) -> bytes:
+        data = real(path)
+        return data + b"\n# changed\n" if path.name == "memory_root.py" else data
+
+    monkeypatch.setattr(Path, "read_bytes", changed)
+    assert gold.task_key(task, "local") != before

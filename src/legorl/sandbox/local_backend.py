@@ -386,6 +386,10 @@ def _host_view(
     return args
 
 
+#: The size of a local judged command's own /dev/shm (Docker's default is the same).
+JUDGED_SHM_BYTES = 64 << 20
+
+
 def _tree_view(tree: Path, view: View, prefix: str, mounts: list[str]) -> list[str]:
     """bwrap arguments for a judged command's root: ``tree``'s top-level entries (through
     ``view``), then ``mounts`` (the sandbox's own), then the Python below them, if it lives in
@@ -528,6 +532,9 @@ class LocalSandbox:
                 "--proc", "/proc",
                 "--dev", "/dev",
                 *view.devices(),
+                # A shared-memory folder the judged user may write, as Docker's (bubblewrap's
+                # is root's 0755): multiprocessing's locks live there. Its own, size-capped.
+                "--perms", "1777", "--size", str(JUDGED_SHM_BYTES), "--tmpfs", "/dev/shm",
                 "--bind", str(root / "tmp"), "/tmp",
                 *home,
                 "--bind", str(root / "repo"), WORKDIR,

@@ -36,6 +36,7 @@ import subprocess
 import tarfile
 import threading
 import time
+import zoneinfo
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -401,14 +402,16 @@ def _elf_needs(paths: list[str]) -> set[str]:
 def host_files(prefix: str, env_dir: str, env_dest: str, path: str) -> dict[str, str]:
     """What a local judged command may read of the host: the Python installation (less what
     a test run never reads), the env (at ``env_dest``), /etc, ``TOOLS`` found on ``path``,
-    the C.UTF-8 locale, and every shared object those load."""
+    the C.UTF-8 locale, the time zones, and every shared object those load."""
     files = _Files()
     files.walk(prefix, skip=_PREFIX_SKIPPED)
     files.walk(env_dir, env_dest)
     files.walk("/etc")
-    for locale in ("/usr/lib/locale/C.utf8", "/usr/lib/locale/C.UTF-8"):
-        if os.path.isdir(locale):
-            files.walk(locale)
+    # The C.UTF-8 locale the sandbox's LANG names, and the time zones Python's `zoneinfo`
+    # looks for (round 56: without them Django's default settings fail to load).
+    for folder in ("/usr/lib/locale/C.utf8", "/usr/lib/locale/C.UTF-8", *zoneinfo.TZPATH):
+        if os.path.isdir(folder):
+            files.walk(folder)
     files.add("/bin/sh")  # a command given as a string runs in it (`LocalSandbox._argv`)
     for tool in TOOLS:
         found = shutil.which(tool, path=path)
