@@ -128,7 +128,33 @@ def test_two_images_share_the_store_and_gc_frees_what_no_tree_links(
     assert len(list((root / "store").iterdir())) == 3
     assert memory_root.gc({"sha256:" + "b" * 12}) == ["a" * 12]
     assert not a.exists() and b.exists()
-    assert len(list((root / "store").iterdir())) == 2  # "one" went with the tree
+    # A store file linked by no tree stays while it may be a build's about to be linked...
+    assert len(list((root / "store").iterdir())) == 3
+    # ...and goes once that is an hour past ("one" went with its tree).
+    later = time.time() + 3700
+    monkeypatch.setattr(memory_root.time, "time", lambda: later)
+    memory_root.gc({"sha256:" + "b" * 12})
+    assert len(list((root / "store").iterdir())) == 2
+
+
+def test_an_image_s_link_does_not_lead_the_unpacking_out_of_its_tree(tmp_path: Path) -> None:
+    # Round 56 (reasoned): the judge unpacks an image's root as root; an image whose export
+    # holds a link `usr/lib -> <outside>` and then `usr/lib/evil` would have had it written
+    # where the link led. Entries below a link are left out.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        for name, kind in (("usr", tarfile.DIRTYPE), ("usr/lib", tarfile.SYMTYPE)):
+            info = tarfile.TarInfo(name)
+            info.type, info.mode, info.linkname = kind, 0o755, str(outside)
+            tar.addfile(info)
+        info = tarfile.TarInfo("usr/lib/evil")
+        info.size = 4
+        tar.addfile(info, io.BytesIO(b"evil"))
+    memory_root._unpack([raw.getvalue()], tmp_path / "tree", tmp_path / "store")
+    assert not list(outside.iterdir())
+    assert (tmp_path / "tree" / "usr" / "lib").is_symlink()
 
 
 def test_a_memory_root_folder_that_is_not_an_executable_tmpfs_is_refused_by_name(
@@ -177,6 +203,8 @@ def test_the_local_judged_files_are_the_python_its_env_etc_and_what_they_load(
     assert memory_root.gc(None) == []
     old = time.time() - memory_root.HOST_TREE_IDLE_S - 60
     os.utime(tree, (old, old))
+    later = time.time() + 3700  # past the store's grace for a build about to link its file
+    monkeypatch.setattr(memory_root.time, "time", lambda: later)
     assert memory_root.gc(None) == [tree.name] and not tree.exists()
     assert not list((tmp_path / "roots" / "store").iterdir())
 

@@ -176,9 +176,16 @@ class _Chunks(io.RawIOBase):
 
 
 def _inside(tree: Path, name: str) -> Path | None:
+    """Where an exported entry goes in ``tree``; None for one that is not copied, or whose
+    way there passes a link (an image's own link would lead the judge, root, out of the tree)."""
     parts = [p for p in name.split("/") if p not in ("", ".")]
     if not parts or ".." in parts or parts[0] in SKIPPED:
         return None
+    folder = tree
+    for part in parts[:-1]:
+        folder = folder / part
+        if folder.is_symlink():
+            return None
     return tree.joinpath(*parts)
 
 
@@ -267,10 +274,13 @@ def gc(images: set[str] | None, *, dry_run: bool = False) -> list[str]:
         with contextlib.suppress(OSError):
             if now - listing.stat().st_mtime > HOST_TREE_IDLE_S:
                 listing.unlink()
-    if removed and not dry_run:
+    if not dry_run:
         for path in _store_files(root / "store"):
             with contextlib.suppress(OSError):
-                if path.stat().st_nlink == 1:
+                st = path.stat()
+                # Linked by no tree, and not just now (a file stored a moment ago by a build
+                # that has yet to link it: a link or rename sets its ctime).
+                if st.st_nlink == 1 and now - st.st_ctime > 3600:
                     path.unlink()
     return removed
 
