@@ -323,6 +323,14 @@ TOOLS = (
 _SYSTEM = ("/usr/", "/etc/", "/bin/", "/sbin/", "/lib/", "/lib64/", "/lib32/", "/libx32/")
 
 
+def _data_file(path: str) -> bool:
+    try:
+        real = os.path.realpath(path)
+        return real.startswith(_SYSTEM) and not os.stat(real).st_mode & 0o111
+    except OSError:
+        return False
+
+
 class _Files:
     """Host paths (files, symlinks and the folders between) to copy, each at its own path
     in the tree, or at ``dest`` given (the env, seen at /opt/legorl-env)."""
@@ -347,9 +355,10 @@ class _Files:
         if os.path.islink(host):
             self.entries[dest] = host
             target = os.path.normpath(os.path.join(os.path.dirname(host), os.readlink(host)))
-            # A walked folder's link is followed into the system's folders only (/etc's
-            # os-release into /usr, never /etc/mtab into /proc).
-            if dest == host and (follow or target.startswith(_SYSTEM)):
+            # A walked folder's link is followed to a data file in the system's folders only
+            # (/etc/os-release into /usr; never /etc/mtab into /proc, nor an alternatives
+            # link to a program: the programs are `TOOLS`).
+            if dest == host and (follow or _data_file(target)):
                 self.add(target)
         elif os.path.isfile(host):
             self.entries[dest] = host
