@@ -11,6 +11,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import contextvars
+import ctypes
 import fcntl
 import functools
 import hashlib
@@ -196,6 +197,10 @@ def owner_alive(tag: str) -> bool | None:
 # ---- mounts ----------------------------------------------------------------------------------
 
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_MNT_DETACH = 2
+
+
 def mount_points() -> list[str]:
     """This process's mount points, from /proc/self/mountinfo (octal escapes undone)."""
     with open("/proc/self/mountinfo", "rb") as fh:
@@ -212,8 +217,11 @@ def remove_folder(folder: Path) -> None:
     with contextlib.suppress(OSError, subprocess.TimeoutExpired):
         inside = str(folder).rstrip("/")
         points = [p for p in mount_points() if p == inside or p.startswith(inside + "/")]
-        for point in sorted(set(points), key=len, reverse=True):
-            subprocess.run(["umount", "-l", point], capture_output=True, timeout=60)
+        detached: list[str] = []
+        for point in sorted(set(points), key=len):  # a detached mount takes those below it
+            if not any(point.startswith(d + "/") for d in detached):
+                _libc.umount2(os.fsencode(point), _MNT_DETACH)
+                detached.append(point)
         subprocess.run(
             ["rm", "-rf", "--one-file-system", "--", str(folder)],
             capture_output=True,
