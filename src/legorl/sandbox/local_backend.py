@@ -902,14 +902,17 @@ class LocalBackend:
         try:
             view = tree = None
             if grading:
-                _mount_grading_tmpfs(root)
-                view = mount_view(root / "view")
                 # What a judged command reads of the host, copied to tmpfs (`memory_root.py`).
                 found = memory_root.host_files(
                     base.recipe["prefix"], str(_layer_dir(env) / "venv"), ENV_DIR, BASE_PATH
                 )
                 tree = memory_root.host_tree(found)
+                _mount_grading_tmpfs(root)
+            # Before any mount below it: a process killed from here on leaves a folder gc
+            # knows the owner of (and so removes once that owner is dead).
             write_owner(root, run_id, task.instance_id)
+            if grading:
+                view = mount_view(root / "view")
             for sub in ("tmp", "home"):
                 (root / sub).mkdir()
             shutil.copytree(_layer_dir(instance) / "repo", root / "repo", symlinks=True)
