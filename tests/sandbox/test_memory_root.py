@@ -157,6 +157,16 @@ def test_an_image_s_link_does_not_lead_the_unpacking_out_of_its_tree(tmp_path: P
     assert (tmp_path / "tree" / "usr" / "lib").is_symlink()
 
 
+def test_grading_as_another_user_than_root_is_refused_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The copies keep their files' owners and each sandbox's overlay is a mount: both need
+    # root, which is said before anything is made.
+    monkeypatch.setattr(memory_root.os, "geteuid", lambda: 1000)
+    with pytest.raises(SandboxError, match="sha256:abc: a grading sandbox needs root"):
+        memory_root.image_tree(None, "sha256:abc")
+
+
 def test_a_memory_root_folder_that_is_not_an_executable_tmpfs_is_refused_by_name(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -902,6 +902,7 @@ class LocalBackend:
         try:
             view = tree = None
             if grading:
+                memory_root.need_root(task.instance_id)
                 # What a judged command reads of the host, copied to tmpfs (`memory_root.py`).
                 found = memory_root.host_files(
                     base.recipe["prefix"], str(_layer_dir(env) / "venv"), ENV_DIR, BASE_PATH

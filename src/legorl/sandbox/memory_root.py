@@ -90,8 +90,19 @@ def _key(image_id: str) -> str:
     return key[:32]
 
 
+def need_root(what: str) -> None:
+    """Grading copies files with their owners and mounts overlays: both need root."""
+    if os.geteuid() != 0:
+        raise SandboxError(
+            f"{what}: a grading sandbox needs root on this host (its judged run reads a copy "
+            "of the files on tmpfs, kept with their owners, through an overlay of its own); "
+            "run verify as root"
+        )
+
+
 def image_tree(api: Any, image_id: str) -> Path:
     """The image's root unpacked on tmpfs (made on first use; concurrent callers wait)."""
+    need_root(image_id)
 
     import docker.errors
 
