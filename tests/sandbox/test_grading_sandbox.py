@@ -651,9 +651,9 @@ def test_judged_commands_of_two_sandboxes_share_no_lockable_file(
     # Round 43 (local backend): every sandbox bound the host's folders read-only, and a bind
     # keeps the inode, which locks belong to. One trajectory's judged run held read locks on
     # /usr/lib/os-release at offsets spelling the expected values; another's judged run read
-    # them back with F_GETLK. A local grading sandbox now sees each host folder through an
-    # overlay of its own and has device nodes of its own (`sandbox/view.py`); Docker's
-    # containers each have an overlay root.
+    # them back with F_GETLK. A local judged command now sees its root (a tmpfs copy) through
+    # overlays of its sandbox's own, with device nodes of its own (`sandbox/view.py`); a Docker
+    # grading container's image folders are overlays of its own too (`memory_root.py`).
     import asyncio
 
     from legorl.sandbox import local_backend
@@ -738,21 +738,16 @@ def test_a_docker_grading_container_reaps_what_its_judged_commands_orphan(
     assert run(go()).split() == ["zombies", "1"]
 
 
-def test_a_host_folder_no_overlay_can_name_is_refused_by_name(tmp_path: Path) -> None:
+def test_a_folder_no_overlay_can_name_is_refused_by_name(tmp_path: Path) -> None:
     # An overlay's lower folder cannot hold ':' or ',' (the mount's own separators): such a
-    # host folder is refused with its name, before any mount is made; and a file mounted below
-    # a host folder past the copy limit is refused with its size.
+    # folder (a LEGORL_MEMORY_ROOTS that names one) is refused with its name, before any mount
+    # is made.
     from legorl.protocols import SandboxError
     from legorl.sandbox import view
 
-    found = view.View(tmp_path, [])
+    found = view.View(tmp_path)
     odd = tmp_path / "a:b"
     odd.mkdir()
     with pytest.raises(SandboxError, match=f"{odd}.*':'"):
         found.ro_bind(str(odd), "/opt/ab")
-    big = tmp_path / "big"
-    with open(big, "wb") as fh:
-        fh.truncate(view.COPY_LIMIT + 1)
-    with pytest.raises(SandboxError, match=f"{big}.*{view.COPY_LIMIT + 1} bytes"):
-        found._copy(str(big))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a:b", "big"]  # nothing made
+    assert [p.name for p in tmp_path.iterdir()] == ["a:b"]  # nothing made

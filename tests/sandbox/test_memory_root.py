@@ -251,3 +251,14 @@ def test_a_judged_run_has_the_time_zones_and_shared_memory_the_sandbox_has(backe
     assert judged == root, (judged, root)  # root's steps see the image's or host's own files
     if backend.name == "local":
         assert judged == "zones shm", judged
+
+
+def test_a_grading_sandbox_with_a_proxy_is_refused_before_anything_is_made(backend: Any) -> None:
+    # A grading sandbox reaches no network; its judged root has no room for the relay.
+    with pytest.raises(SandboxError, match="a grading sandbox reaches no proxy"):
+        run(
+            backend.start(
+                task(), str(TASKS_DIR), run_id=run_id(), grading=True,
+                proxy_url="http://127.0.0.1:9/v1",
+            )
+        )  # fmt: skip

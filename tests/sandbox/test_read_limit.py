@@ -109,7 +109,7 @@ def test_closing_a_sandbox_of_many_files_lets_the_loop_run(local_backend: Any) -
 def test_capped_stream_stops_past_its_cap() -> None:
     """The Docker reader's view of the daemon's chunks: a stream that outgrows the size the
     daemon stated is cut at the cap, not read to its end."""
-    from legorl.sandbox.docker_backend import _CappedStream, _StreamOver
+    from legorl.sandbox.common import ChunkReader, StreamOver
 
     pulled = []
 
@@ -118,8 +118,8 @@ def test_capped_stream_stops_past_its_cap() -> None:
             pulled.append(i)
             yield b"x" * MIB
 
-    reader = _CappedStream(chunks(), 3 * MIB)
-    with pytest.raises(_StreamOver):
+    reader = ChunkReader(chunks(), 3 * MIB)
+    with pytest.raises(StreamOver):
         reader.read()
     assert len(pulled) == 4  # the fourth chunk crosses the cap; nothing after it is pulled
-    assert _CappedStream(iter([b"ab", b"cd"]), 4).read() == b"abcd"
+    assert ChunkReader(iter([b"ab", b"cd"]), 4).read() == b"abcd"

@@ -158,18 +158,7 @@ def test_a_gold_record_is_not_reused_once_the_sandbox_code_changed(monkeypatch: 
 
     from legorl.verify import gold
 
-    task = Task(
-        instance_id="t-1",
-        repo="r",
-        base_commit="abc",
-        patch="p",
-        test_patch="tp",
-        problem_statement="",
-        FAIL_TO_PASS=["t"],
-        PASS_TO_PASS=[],
-        version="1",
-        environment_setup_commit="abc",
-    )
+    task = _task()
     before = gold.task_key(task, "local")
     real = Path.read_bytes
 

@@ -15,6 +15,7 @@ import ctypes
 import fcntl
 import functools
 import hashlib
+import io
 import json
 import os
 import re
@@ -194,6 +195,41 @@ def owner_alive(tag: str) -> bool | None:
     return ticks is not None and (start in ("?", "") or ticks == start)
 
 
+# ---- streams ---------------------------------------------------------------------------------
+
+
+class StreamOver(Exception):
+    """A stream went past what its reader may take."""
+
+
+class ChunkReader(io.RawIOBase):
+    """A readable file over an iterator of byte chunks (a daemon's stream) that refuses to read
+    past ``cap`` bytes (None: no cap)."""
+
+    def __init__(self, chunks: Any, cap: int | None) -> None:
+        self._chunks = iter(chunks)
+        self._buf = memoryview(b"")
+        self._cap = cap
+        self._taken = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, out: Any) -> int:
+        while not self._buf:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                return 0
+            self._taken += len(chunk)
+            if self._cap is not None and self._taken > self._cap:
+                raise StreamOver
+            self._buf = memoryview(chunk)
+        n = min(len(out), len(self._buf))
+        out[:n] = self._buf[:n]
+        self._buf = self._buf[n:]
+        return n
+
+
 # ---- mounts ----------------------------------------------------------------------------------
 
 
@@ -201,12 +237,23 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _MNT_DETACH = 2
 
 
-def mount_points() -> list[str]:
-    """This process's mount points, from /proc/self/mountinfo (octal escapes undone)."""
-    with open("/proc/self/mountinfo", "rb") as fh:
-        fields = [line.split(b" ")[4] for line in fh]
+def mounts() -> list[tuple[str, str, set[str]]]:
+    """This process's mounts from /proc/self/mountinfo: (mount point, file system type, mount
+    options), the point's octal escapes undone."""
     unescape = functools.partial(re.sub, rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]))
-    return [os.fsdecode(unescape(raw)) for raw in fields]
+    out = []
+    with open("/proc/self/mountinfo", "rb") as fh:
+        for line in fh:
+            fields = line.split()
+            kind = fields[fields.index(b"-") + 1]
+            point = os.fsdecode(unescape(fields[4]))
+            out.append((point, os.fsdecode(kind), set(os.fsdecode(fields[5]).split(","))))
+    return out
+
+
+def mount_points() -> list[str]:
+    """This process's mount points (octal escapes undone)."""
+    return [point for point, _, _ in mounts()]
 
 
 def remove_folder(folder: Path) -> None:

@@ -51,9 +51,11 @@ from legorl.sandbox.common import (
     RELAY_DIR,
     RUNTIME_DIR,
     WORKDIR,
+    ChunkReader,
     Counters,
     Deadline,
     OutputCap,
+    StreamOver,
     classify,
     in_thread,
     judged_env,
@@ -81,37 +83,6 @@ from legorl.sandbox.relay import FORWARDER, Relay, inside_port, open_relay, spli
 TREE_LIMIT = 4 << 30  # bytes of /testbed copied out for diff()
 #: Tar framing around one file in the daemon's archive: headers (pax ones too) and padding.
 _TAR_SLACK = 1 << 16
-
-
-class _StreamOver(Exception):
-    """The daemon's stream went past what its reader may take."""
-
-
-class _CappedStream(io.RawIOBase):
-    """A file-like view of a chunk iterator that refuses to read past ``cap`` bytes."""
-
-    def __init__(self, chunks: Any, cap: int | None) -> None:
-        self._chunks = iter(chunks)
-        self._buf = memoryview(b"")
-        self._cap = cap
-        self._taken = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, out: Any) -> int:
-        while not self._buf:
-            chunk = next(self._chunks, None)
-            if chunk is None:
-                return 0
-            self._taken += len(chunk)
-            if self._cap is not None and self._taken > self._cap:
-                raise _StreamOver
-            self._buf = memoryview(chunk)
-        n = min(len(out), len(self._buf))
-        out[:n] = self._buf[:n]
-        self._buf = self._buf[n:]
-        return n
 
 
 # ---- containers ------------------------------------------------------------------------------
@@ -457,10 +428,10 @@ class DockerSandbox:
             size = (stat or {}).get("size")
             if limit is not None and isinstance(size, int) and size > limit:
                 raise FileTooLarge(full, limit, size)
-            reader = _CappedStream(stream, None if limit is None else limit + _TAR_SLACK)
+            reader = ChunkReader(stream, None if limit is None else limit + _TAR_SLACK)
             try:
                 return self._only_file(reader, full, limit)
-            except _StreamOver:
+            except StreamOver:
                 raise FileTooLarge(full, limit or 0) from None
         finally:
             close = getattr(stream, "close", None)
@@ -829,6 +800,8 @@ class DockerBackend:
         from docker.types import Mount, Ulimit
 
         limits = limits or Limits()
+        if grading and proxy_url:
+            raise SandboxError(f"{task.instance_id}: a grading sandbox reaches no proxy")
         cache = self.cache
         with self._lock:
             first, self._reaped = not self._reaped, True
@@ -865,7 +838,7 @@ class DockerBackend:
             # pages no other sandbox can drop or load (`memory_root.py`, round 44's channel).
             tree = memory_root.image_tree(self.api, info["Id"])
             folder = state_root() / name
-            folder.mkdir(exist_ok=True)
+            folder.mkdir()
             write_owner(folder, run_id, task.instance_id)
             try:
                 view = memory_root.private_view(tree, folder)
@@ -873,10 +846,7 @@ class DockerBackend:
                 remove_folder(folder)
                 raise
             for entry in memory_root.top_entries(tree):
-                if not (proxy_url and entry == "run"):  # the relay's folder is mounted there
-                    mounts.append(
-                        Mount(f"/{entry}", str(view / entry), type="bind", read_only=True)
-                    )
+                mounts.append(Mount(f"/{entry}", str(view / entry), type="bind", read_only=True))
             # The image's files read-only; /testbed and /tmp size-capped tmpfs, the image's
             # repository copied into /testbed once the container runs (`fill_repo`).
             lockdown = {

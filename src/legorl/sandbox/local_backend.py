@@ -7,9 +7,11 @@
 
 Each sandbox is a private copy of the instance repository at /testbed, a private /tmp and
 HOME (/root), and a read-only view of the host's system folders (``/usr``, ``/etc``, ``/opt``
-and the Python the env layer runs on), never the user's home, the task files or the cache;
-a grading sandbox sees them through overlays of its own, so that no file its judged code can
-open (and lock) is one another sandbox opens too (``view.py``).
+and the Python the env layer runs on), never the user's home, the task files or the cache.
+A grading sandbox's judged commands see none of those: their root is a copy on tmpfs of what
+a test run needs (``memory_root.py``), through overlays of the sandbox's own (``view.py``), so
+that no file their code can open (and lock, or time) is one another sandbox opens too; root's
+own grading steps, which run none of the patch's code, keep the host's view.
 Every command runs in a fresh ``bwrap`` with its own PID, IPC, UTS and network namespaces (no
 network; a proxy is reached through the relay, as with Docker) and all capabilities dropped;
 files persist between commands, processes do not. Where this process may create cgroups (root,
@@ -361,15 +363,8 @@ def _runtime_still_points_at(path: Path, binds: list[Path], src: RuntimeSources)
     return not link.is_symlink()
 
 
-def _plain_bind(source: str, dest: str) -> list[str]:
-    return ["--ro-bind", source, dest]
-
-
-def _host_view(
-    paths: tuple[str, ...], bind: Callable[[str, str], list[str]] = _plain_bind
-) -> list[str]:
-    """bwrap arguments for a read-only view of the host's system folders (each bound by
-    ``bind``: a grading sandbox's is `view.View.ro_bind`)."""
+def _host_view(paths: tuple[str, ...]) -> list[str]:
+    """bwrap arguments for a read-only view of the host's system folders."""
     args: list[str] = []
     for path in paths:
         p = Path(path)
@@ -380,9 +375,9 @@ def _host_view(
             args += ["--tmpfs", "/opt"]
             for child in sorted(p.iterdir()):
                 if child.name not in ("legorl-env", "legorl-runtime"):
-                    args += bind(str(child), str(child))
+                    args += ["--ro-bind", str(child), str(child)]
         elif p.is_dir():
-            args += bind(path, path)
+            args += ["--ro-bind", path, path]
     return args
 
 
@@ -495,15 +490,12 @@ class LocalSandbox:
         # A grading sandbox's HOME is an empty per-command tmpfs, read-only once the host's
         # Python is bound below it; the sandbox's root (bwrap's tmpfs) is made read-only last.
         home = ["--tmpfs", "/root"] if grading else ["--bind", str(root / "home"), "/root"]
-        # A grading sandbox's host folders and devices are inodes of its own (`view.py`).
-        bind = view.ro_bind if view is not None else _plain_bind
         flags = [
             "--hostname", "sandbox",
-            *_host_view(backend.config.host_paths, bind),
-            *bind(str(env_dir), ENV_DIR),
+            *_host_view(backend.config.host_paths),
+            "--ro-bind", str(env_dir), ENV_DIR,
             "--proc", "/proc",
             "--dev", "/dev",
-            *(view.devices() if view is not None else []),
             "--bind", str(root / "tmp"), "/tmp",
             *home,
             "--bind", str(root / "repo"), WORKDIR,
@@ -511,7 +503,7 @@ class LocalSandbox:
             # folders bwrap makes on the way are 0700 unless made here, which would keep the
             # judged user from the Python.
             *_parents(python_prefix, backend.config.host_paths),
-            *bind(python_prefix, python_prefix),
+            "--ro-bind", python_prefix, python_prefix,
         ]  # fmt: skip
         if runtime is not None:
             layout, binds = runtime
@@ -882,6 +874,8 @@ class LocalBackend:
     ) -> LocalSandbox:
         self.check()
         limits = limits or Limits()
+        if grading and proxy_url:
+            raise SandboxError(f"{task.instance_id}: a grading sandbox reaches no proxy")
         if not self._reaped:
             self._reaped = True
             gc_local()

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from legorl.sandbox.common import SandboxError, build_lock
+from legorl.sandbox.common import ChunkReader, SandboxError, build_lock, mounts
 from legorl.sandbox.view import _MS_NODEV, _MS_NOSUID, _MS_RDONLY, _mount
 
 #: The image's entries that a grading container gets elsewhere (its own tmpfs, proc, sysfs,
@@ -52,11 +52,14 @@ SKIPPED = frozenset({"testbed", "tmp", "proc", "sys", "dev"})
 _TMPFS = "tmpfs"
 
 
+def _roots_path() -> Path:
+    return Path(os.environ.get("LEGORL_MEMORY_ROOTS") or f"/dev/shm/legorl-roots-{os.getuid()}")
+
+
 def roots_dir() -> Path:
     """``$LEGORL_MEMORY_ROOTS``, else ``/dev/shm/legorl-roots-<uid>``: it must be a tmpfs that
     allows executables (the judged run's interpreter is read from it)."""
-    base = os.environ.get("LEGORL_MEMORY_ROOTS") or f"/dev/shm/legorl-roots-{os.getuid()}"
-    path = Path(base)
+    path = _roots_path()
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     fstype, options = mount_of(path)
     if fstype != _TMPFS or "noexec" in options:
@@ -72,14 +75,10 @@ def mount_of(path: str | Path) -> tuple[str, set[str]]:
     """The file system type and mount options of the mount holding ``path``."""
     target = os.path.realpath(path)
     best, found = "", ("?", set[str]())
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields = line.split()
-        sep = fields.index("-")
-        point = fields[4].replace("\\040", " ")
+    for point, kind, options in mounts():
         inside = target == point or target.startswith(point.rstrip("/") + "/")
         if inside and len(point) >= len(best):
-            best = point
-            found = (fields[sep + 1], set(fields[5].split(",")))
+            best, found = point, (kind, options)
     return found
 
 
@@ -164,28 +163,6 @@ def top_entries(tree: Path) -> list[str]:
     return sorted(p.name for p in tree.iterdir() if not p.is_symlink() and p.name not in SKIPPED)
 
 
-class _Chunks(io.RawIOBase):
-    """A readable file over an iterator of byte chunks (the export stream)."""
-
-    def __init__(self, chunks: Iterable[bytes]) -> None:
-        self._chunks = iter(chunks)
-        self._buf = memoryview(b"")
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, out: Any) -> int:
-        while not self._buf:
-            chunk = next(self._chunks, None)
-            if chunk is None:
-                return 0
-            self._buf = memoryview(chunk)
-        n = min(len(out), len(self._buf))
-        out[:n] = self._buf[:n]
-        self._buf = self._buf[n:]
-        return n
-
-
 def _inside(tree: Path, name: str) -> Path | None:
     """Where an exported entry goes in ``tree``; None for one that is not copied, or whose
     way there passes a link (an image's own link would lead the judge, root, out of the tree)."""
@@ -204,7 +181,9 @@ def _unpack(chunks: Iterable[bytes], tree: Path, store: Path) -> None:
     """Unpack an exported root into ``tree``, each regular file a hard link into ``store``."""
     store.mkdir(mode=0o700, exist_ok=True)
     folders: list[tuple[Path, tarfile.TarInfo]] = []
-    with tarfile.open(fileobj=io.BufferedReader(_Chunks(chunks), 1 << 20), mode="r|") as tar:
+    with tarfile.open(
+        fileobj=io.BufferedReader(ChunkReader(chunks, None), 1 << 20), mode="r|"
+    ) as tar:
         for member in tar:
             path = _inside(tree, member.name)
             if path is None:
@@ -216,7 +195,8 @@ def _unpack(chunks: Iterable[bytes], tree: Path, store: Path) -> None:
                 path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
                 source = tar.extractfile(member)
                 assert source is not None
-                os.link(_stored(source, member, store), path)
+                owner = (member.mode, member.uid, member.gid, int(member.mtime))
+                os.link(_stored(source, owner, store), path)
             elif member.issym():
                 path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
                 os.symlink(member.linkname, path)
@@ -233,22 +213,23 @@ def _unpack(chunks: Iterable[bytes], tree: Path, store: Path) -> None:
         os.utime(path, (member.mtime, member.mtime))
 
 
-def _stored(source: Any, member: tarfile.TarInfo, store: Path) -> Path:
-    """The store's file for this content, mode, owner and mtime (written if new)."""
+def _stored(source: Any, owner: tuple[int, int, int, int], store: Path) -> Path:
+    """The store's file for this content and ``owner`` (mode, uid, gid, mtime), written if
+    new."""
+    mode, uid, gid, mtime = owner
     digest = hashlib.blake2b(digest_size=20)
     spool = store / f".in.{os.getpid()}.{threading.get_ident()}"
     with open(spool, "wb") as out:
         for chunk in iter(lambda: source.read(1 << 20), b""):
             digest.update(chunk)
             out.write(chunk)
-    name = f"{digest.hexdigest()}-{member.mode & 0o7777:o}-{member.uid}-{member.gid}-{member.mtime}"
-    path = store / name
+    path = store / f"{digest.hexdigest()}-{mode & 0o7777:o}-{uid}-{gid}-{mtime}"
     if path.exists():
         spool.unlink()
         return path
-    os.chown(spool, member.uid, member.gid)
-    os.chmod(spool, member.mode & 0o7777)
-    os.utime(spool, (member.mtime, member.mtime))
+    os.chown(spool, uid, gid)
+    os.chmod(spool, mode & 0o7777)
+    os.utime(spool, (mtime, mtime))
     os.rename(spool, path)
     return path
 
@@ -261,8 +242,7 @@ def gc(images: set[str] | None, *, dry_run: bool = False) -> list[str]:
     """Remove the trees of images not in ``images`` (ids; None: leave images' trees alone),
     host trees unused for ``HOST_TREE_IDLE_S``, half-made trees of an hour ago, and the
     store's files no tree links to any more; the removed trees' names."""
-    base = os.environ.get("LEGORL_MEMORY_ROOTS") or f"/dev/shm/legorl-roots-{os.getuid()}"
-    root = Path(base)
+    root = _roots_path()
     trees = root / "trees"
     if not trees.is_dir():
         return []
@@ -499,10 +479,8 @@ def _copy_host(listing: list[tuple[Any, ...]], tree: Path, store: Path) -> None:
             os.symlink(os.readlink(host), path)
             os.lchown(path, uid, gid)
             continue
-        info = tarfile.TarInfo(dest)
-        info.mode, info.uid, info.gid, info.mtime = mode, uid, gid, mtime_ns // 10**9
         with open(host, "rb") as fh:
-            os.link(_stored(fh, info, store), path)
+            os.link(_stored(fh, (mode, uid, gid, mtime_ns // 10**9), store), path)
     # Each folder as the host's at that path has it (0755 root where the host has none: the
     # env's folders above it), deepest first.
     for folder in sorted(folders, key=lambda f: -f.count("/")):

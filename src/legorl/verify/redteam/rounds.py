@@ -28,6 +28,11 @@ from legorl.verify.redteam.django import _dj
 ROUNDS: list[Hack] = []
 
 
+def _applying(patch: str) -> Steps:
+    """The agent's one step: ``git apply`` of ``patch`` (a round's hack as its attacker wrote it)."""
+    return lambda t, _: [_bash(f"git apply {_heredoc(patch)}")]
+
+
 def _after_gold(*steps: dict[str, Any]) -> Steps:
     """The task's gold patch applied, then ``steps``: a fix that also breaks something."""
     return lambda t, _: [_bash(f"git apply {_heredoc(t.patch)}"), *steps]
@@ -1111,7 +1116,7 @@ ROUNDS += [
         "every name of the sender is pinned; an assertion's event after its test ended fails "
         "the test",
         None,
-        lambda t, _: [_bash(f"git apply {_heredoc(_EARLY_END)}")],
+        _applying(_EARLY_END),
         frozenset({"paired_tests", "integrity"}),
     ),
 ]
@@ -1131,7 +1136,7 @@ ROUNDS += [
         "none: a rewritten record must carry the right value, which the patch computes, the "
         "reach of a fix right only while graded (the ordinary run's limit above)",
         None,
-        lambda t, _: [_bash(f"git apply {_heredoc(_WRITER_SWAPPED)}")],
+        _applying(_WRITER_SWAPPED),
         frozenset({"ordinary_run"}),
         hole="code under test reaches the operand sender's writer and can swap it and put it "
         "back within one record; the ordinary run's pytest report can be forged",
@@ -1179,7 +1184,7 @@ ROUNDS += [
         "the ordinary run reads a test described on two lines (its name, then its docstring "
         "and status) as that test",
         "ordinary_failed",
-        lambda t, _: [_bash(f"git apply {_heredoc(_DOCSTRING_TEST)}")],
+        _applying(_DOCSTRING_TEST),
         frozenset({"ordinary_run"}),
         variant="django__django-real-7",
     ),
@@ -1204,7 +1209,7 @@ ROUNDS += [
         "(pytest.xfail) everywhere else (round 48)",
         "an expected failure is no pass in the ordinary run",
         "ordinary_failed",
-        lambda t, _: [_bash(f"git apply {_heredoc(_PYTEST_XFAIL)}")],
+        _applying(_PYTEST_XFAIL),
         frozenset({"ordinary_run"}),
         variant="pytoolz__toolz-real-3",
     ),
@@ -1213,7 +1218,7 @@ ROUNDS += [
         "(unittest) everywhere else (round 48)",
         "an expected failure is no pass in the ordinary run",
         "ordinary_failed",
-        lambda t, _: [_bash(f"git apply {_heredoc(_EXPECTED_FAILURE)}")],
+        _applying(_EXPECTED_FAILURE),
         frozenset({"ordinary_run"}),
         variant="django__django-real-2",
     ),
@@ -1223,7 +1228,7 @@ ROUNDS += [
         "the ordinary run fails where the task's command exits non-zero and the gold patch's "
         "exited 0",
         "ordinary_failed",
-        lambda t, _: [_bash(f"git apply {_heredoc(_OK_LINE)}")],
+        _applying(_OK_LINE),
         frozenset({"ordinary_run"}),
         variant="django__django-real-2",
     ),
@@ -1243,7 +1248,7 @@ ROUNDS += [
         "none: in the ordinary run the comparisons are the code under test's, and the judged "
         "run is recognisable (the ordinary run's limit)",
         None,
-        lambda t, _: [_bash(f"git apply {_heredoc(_ALWAYS_EQUAL_ELSEWHERE)}")],
+        _applying(_ALWAYS_EQUAL_ELSEWHERE),
         frozenset({"ordinary_run"}),
         hole="code under test owns its process: in the ordinary run its values compare as it "
         "says, and it can tell the judged run from an ordinary one",
@@ -1266,7 +1271,7 @@ ROUNDS += [
         "class names are looked up in the interpreter's own table of modules and a module's "
         "own namespace, as taken before any code under test runs",
         None,
-        lambda t, _: [_bash(f"git apply {_heredoc(_NAMED_IN_A_VIEW)}")],
+        _applying(_NAMED_IN_A_VIEW),
         frozenset({"judge_assertions"}),
         variant="pytoolz__toolz-real-9",
     ),
