@@ -93,3 +93,18 @@ def test_a_parser_out_of_memory_gets_a_reason() -> None:
         parse_capped("parse_log_pytest", "PASSED a\n" * 200_000, _task(), memory=64 << 20)
     )
     assert parsed == {} and reason is not None and "memory" in reason, reason
+
+
+def test_a_tests_own_pattern_cannot_hold_the_judge_on_a_message_made_for_it() -> None:
+    """``pytest.raises(E, match=...)``: the pattern is the task's, the message the judged
+    code's. Two ``.*`` backtrack for hours with ``re`` on this text (the judge, and with it
+    every other grading, would wait); bounded, the search ends and finds no match."""
+    from legorl.verify.assertions import _bounded_search
+
+    made = "a" * 20_000 + "b" * 20_000 + "c" * 20_000
+    assert _bounded_search(r"a.*b.*c.*d", made) is False
+    # Control: the same pattern and the plain meaning of a search.
+    assert _bounded_search(r"a.*b.*c.*d", "a b c d") is True
+    assert _bounded_search(r"invalid \w+ for", "an invalid value for x") is True
+    assert _bounded_search(r"^invalid", "an invalid value") is False
+    assert _bounded_search(r"(unclosed", "(unclosed") is False  # a bad pattern matches nothing

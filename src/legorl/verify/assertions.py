@@ -38,10 +38,11 @@ import datetime
 import itertools
 import marshal
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import regex
 
 from legorl.verify.rewrite import _EQ, Approx, Plan, Site
 from legorl.verify.shown import published, shown_numbers
@@ -359,13 +360,21 @@ def _approx_ok(actual: Any, approx: Approx) -> bool:
     return abs(actual - expected) <= tolerance
 
 
+#: Seconds a test's own pattern may search the judged code's message: the text is the
+#: patch's, and a pattern with two ``.*`` backtracks for hours on a text made for it.
+SEARCH_SECONDS = 0.5
+
+
 def _bounded_search(pattern: str, text: str) -> bool:
-    """``re.search`` of a test's own pattern (the judge's literal) in at most 64 KiB of the
-    exception's message: the pattern is the task's, the text the judged code's."""
+    """A search for a test's own pattern (the judge's literal) in at most 64 KiB of the
+    exception's message, given ``SEARCH_SECONDS`` and letting the judge's other threads run
+    meanwhile (``re`` holds the interpreter lock to the end): past the time, no match, the
+    patch's failure (the text is the judged code's)."""
     try:
-        return re.search(pattern, text[: 1 << 16]) is not None
-    except re.error:
+        found = regex.search(pattern, text[: 1 << 16], timeout=SEARCH_SECONDS, concurrent=True)
+    except (regex.error, TimeoutError):
         return False
+    return found is not None
 
 
 #: Item comparisons ``assertCountEqual`` may make on unhashable items before it fails: the
