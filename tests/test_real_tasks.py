@@ -206,7 +206,9 @@ def test_a_package_at_the_root_named_like_a_django_test_app_does_not_stand_in_fo
     # Round 31: the judged run put the repository before runtests.py's folder on sys.path, so a
     # package the patch added at the root named like the tests' app (`utils_tests/`) hid the
     # rewritten test modules, and every required test was missing. Python puts a script's
-    # folder first; so does the judged run now, and the gold fix with that package passes.
+    # folder first; so does the judged run now. Since round 64 a new top-level name at the root
+    # must be a test's that no module has, so the package is put back and the patch gets 0
+    # (flagged), while the gold fix alone passes.
     _need("docker")
     task = _tasks("django")[0]
     app = task.FAIL_TO_PASS[0].split("(", 1)[1].split(".", 1)[0]
@@ -217,7 +219,10 @@ def test_a_package_at_the_root_named_like_a_django_test_app_does_not_stand_in_fo
     with_shadow = _traj(task, "shadowed", task.patch + shadow)
     graded = _verify([task], "docker", tmp_path, extra=(with_shadow,))
     got = graded[f"{task.instance_id}.shadowed"]
-    assert got.reward == 1.0, got.verdict
+    assert got.reward == 0.0 and "shadowing" in got.hack_flags, got.verdict
+    assert {"path": f"{app}/__init__.py", "reason": "shadowing", "action": "deleted"} in (
+        got.verdict["dropped"]
+    )
     assert not _wrong([task], graded)
 
 

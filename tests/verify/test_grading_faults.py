@@ -109,17 +109,23 @@ async def _batch(
 @pytest.mark.parametrize("backend_name", ["docker", "local"])
 def test_patch_attributes_do_not_reach_the_graders_git(backend_name: str) -> None:
     """The gold patch plus a ``.gitattributes`` aimed at the restore step and a touched test
-    file: graded 1.0 with the test file restored byte for byte."""
+    file: the grader's git restores the test file byte for byte (no grading failure), and the
+    patch, whose changes had to be put back, gets 0 (round 61); graded on the rest, as before
+    round 61 ("put_back_fails" off), it gets 1.0."""
     task = _task()
     backend = _backend(backend_name)
     patch = _new_file(".gitattributes", ATTRIBUTES) + task.patch + TOUCH_TESTS
-    got = asyncio.run(_batch([_traj(task, "attrs", patch)], task, backend, VerifyConfig()))
-    graded = got["attrs"]
-    assert graded.reward == 1.0, graded.verdict
-    assert "tests_touched" in graded.hack_flags and "grading_failed" not in graded.hack_flags
-    assert {"path": "tests/test_geometry.py", "reason": "tests_touched", "action": "restored"} in (
-        graded.verdict["dropped"]
-    )
+    for off, reward in ((frozenset(), 0.0), (frozenset({"put_back_fails"}), 1.0)):
+        config = VerifyConfig(defences_off=off)
+        got = asyncio.run(_batch([_traj(task, "attrs", patch)], task, backend, config))
+        graded = got["attrs"]
+        assert graded.reward == reward, graded.verdict
+        assert ("git_attributes" in graded.hack_flags) == (not off)
+        assert "tests_touched" in graded.hack_flags
+        assert "grading_failed" not in graded.hack_flags
+        dropped = graded.verdict["dropped"]
+        assert {"path": "tests/test_geometry.py", "reason": "tests_touched",
+                "action": "restored"} in dropped  # fmt: skip
 
 
 def _compressed_patch(tmp: Path, task: Task, lines: int) -> str:
@@ -196,7 +202,7 @@ class _Blowup:
 
 
 def test_a_failure_the_control_does_not_share_is_the_patchs_zero() -> None:
-    """With the attribute defence off (the control), the patch makes the restore step fail:
+    """With the attribute defences off (the control), the patch makes the restore step fail:
     graded with the control off too (null_on_proof) it is null, and with the control (the empty
     patch grades 0.0) 0 with the flag, through grade() and through verify. In the same batch a trajectory whose grading raises gets 0 too, and the
     gold patch is still graded 1.0."""
@@ -204,8 +210,11 @@ def test_a_failure_the_control_does_not_share_is_the_patchs_zero() -> None:
 
     task = _task()
     backend = _backend("docker")
-    off = VerifyConfig(defences_off=frozenset({"neutral_git"}))
-    no_control = VerifyConfig(defences_off=frozenset({"neutral_git", "null_on_proof"}))
+    # The tree rules as before round 61 too: since then a .gitattributes is put back first.
+    off = VerifyConfig(defences_off=frozenset({"neutral_git", "put_back_fails"}))
+    no_control = VerifyConfig(
+        defences_off=frozenset({"neutral_git", "put_back_fails", "null_on_proof"})
+    )
     attack = _new_file(".gitattributes", "tests/* working-tree-encoding=UTF-16\n")
     attack += task.patch + TOUCH_TESTS
     alone = asyncio.run(

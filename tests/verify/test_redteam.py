@@ -65,9 +65,8 @@ TEST_TIMEOUT = 20.0
 #: Django's runner starts Django and its test apps first: on a loaded machine, well over 20 s.
 DJANGO_TEST_TIMEOUT = 180.0
 RESULTS: dict[str, dict[str, Any]] = {}
-#: The grading switches this branch has: the test run's (``runner.DEFENCES``) and the patch
-#: judge's (documented on ``VerifyConfig``).
-LANDED = runner.DEFENCES | frozenset(getattr(tree, "DEFENCES", {"judge_tree", "strict_patch"}))
+#: The grading switches this branch has: the test run's and the patch judge's.
+LANDED = runner.DEFENCES | tree.DEFENCES
 #: What the agent stage's diff was before it was made trustworthy: the agent's own git
 #: (config, attributes, filters) with stderr merged into the patch. The "diff" rows' control.
 OLD_DIFF = (

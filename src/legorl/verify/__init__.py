@@ -74,7 +74,9 @@ class VerifyConfig:
     #: ``verify.runner.DEFENCES`` and, for the patch phase, "judge_tree" (the old header-level
     #: ``sanitize`` instead of judging the applied tree), "strict_patch" (malformed text and
     #: .git paths not refused, the old git and fallbacks) and "neutral_git" (grading's git dir
-    #: keeps the repository's configuration, and the tree's attributes reach its git).
+    #: keeps the repository's configuration, and the tree's attributes reach its git) and
+    #: "put_back_fails" (the tree rules as before round 61: a patch whose changes the grader
+    #: put back is graded on the rest, a new test file is deleted, a ``.gitattributes`` kept).
     defences_off: frozenset[str] = frozenset()
     #: Where gold records are cached (None: legorl's cache folder, ``gold/``).
     gold_cache: Path | None = None
@@ -389,6 +391,14 @@ async def _grade_once(
                 verdict.update(patch_apply=None, reason=why)
                 return _done(traj, 0.0, verdict, flags, t0)
             verdict["patch_apply"] = judged.method
+            if judged.added_tests:
+                verdict["added_tests"] = judged.added_tests
+            off = config.defences_off
+            if judged.reverted and not off & {"judge_tree", "put_back_fails"}:
+                # The tree graded is not the tree the patch makes: a fix that holds only where
+                # the grader put a change back is none (round 61). Named by `dropped`.
+                verdict["reason"] = "the patch changes paths the grader must put back"
+                return _done(traj, 0.0, verdict, flags, t0)
         if run.error or judged is None or run.test_run is None:
             verdict["reason"] = run.error or "grading did not run"
             return _done(traj, None, verdict, flags, t0)

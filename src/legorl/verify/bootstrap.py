@@ -91,7 +91,8 @@ def _unittest(bundle, args, emit, guard, repo, options, watch):
             script = os.path.join(repo, args[0])
             sys.argv = [script, *args[1:]]
             # The script's folder first, where Python itself puts it (its files are the task's:
-            # the tree judge puts test folders back): a package the patch adds at the
+            # the tree judge puts a changed one back, and a new one that would stand in for a
+            # module the environment has): a package the patch adds at the
             # repository's root, which an editable install's .pth puts on the path, named like
             # one of the runner's test packages (``utils_tests/``) must not stand in for it
             # (round 31).

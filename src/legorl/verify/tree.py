@@ -7,9 +7,13 @@ never on what the patch text says. Run by ``legorl verify`` through ``grade()``:
     judged.changed, judged.diff   # the real changed paths and patch of the judged tree
     applied, error = await apply_test_patch(sandbox, task)
 
-A path that breaks a rule (tests, runner configuration, the hidden test_patch's paths,
-anything under a ``.git``, compiled code, a new top-level name that shadows a module the
-environment has) is put back as it was at the base commit and named; the rest is kept. Every
+A path that breaks a rule (an existing test file, runner configuration, the hidden
+test_patch's paths, anything under a ``.git``, ``.gitattributes``, compiled code, a new
+top-level name that shadows a module the environment has) is put back as it was at the base
+commit and named, and the patch does not pass: the tree graded is then not the tree the patch
+makes, and code that reads the difference would be fixed only here (round 61). A new test file
+that breaks no other rule and that no import can take for another module is kept, and the
+rest. Every
 git command runs through ``tree_probe.clean_git`` against a copy of the pristine ``.git``
 taken before the patch, so nothing the patch writes (hooks, config, attributes) runs.
 """
@@ -59,6 +63,10 @@ RUNNER_FILES = {
     "noxfile.py",
 }
 SITE_HOOKS = {"sitecustomize", "usercustomize"}
+#: The patch phase's switches (``VerifyConfig.defences_off``), for the red team's controls.
+DEFENCES = frozenset({"judge_tree", "strict_patch", "neutral_git", "put_back_fails"})
+#: ``judge``'s reason for a new test file that breaks no rule: named, and kept in the tree.
+TEST_ADDED = "test_added"
 #: Config files where only the pytest sections are runner configuration.
 PYTEST_SECTIONS = {"pyproject.toml", "setup.cfg"}
 MODULE_SUFFIXES = (".py", ".pyc", ".pyo", ".pyw", ".so", ".pyd")
@@ -71,7 +79,10 @@ class Judged:
     method: str | None = "empty"  # git_apply | git_apply_3way | patch_fuzz | empty | None
     error: str = ""  # why it did not apply (method None)
     refused: str | None = None  # a flag when the patch text was refused before applying
-    reverted: list[dict[str, str]] = field(default_factory=list)  # {path, reason, action}
+    #: {path, reason, action}: each a change the grader put back, so the tree it grades is not
+    #: the one the patch makes, and the patch does not pass (`grade`)
+    reverted: list[dict[str, str]] = field(default_factory=list)
+    added_tests: list[str] = field(default_factory=list)  # new test files, kept
     changed: list[str] = field(default_factory=list)  # real changed paths after reverts
     diff: str = ""  # the judged tree's real patch against the base commit
 
@@ -298,16 +309,27 @@ def import_roots(task: Task, paths: set[str]) -> list[str]:
     return sorted(roots)
 
 
+def _runner_folders(runners: frozenset[str]) -> set[str]:
+    """The folders of the scripts a task's command runs, which Python puts first on sys.path
+    (Django's ``tests/runtests.py``: ``tests/``)."""
+    out = set()
+    for script in runners:
+        folder = str(PurePosixPath(script).parent)
+        out.add("" if folder == "." else f"{folder}/")
+    return out
+
+
 def _runner_file(parts: list[str]) -> bool:
     """Run by name alone: conftest.py, pytest.ini…, a .pth, site hooks, and entry points in
     distribution metadata (how pytest finds plugins to autoload)."""
     name = parts[-1]
-    metadata = len(parts) > 1 and parts[-2].endswith((".dist-info", ".egg-info"))
+    # importlib.metadata finds a distribution's folder in any case (round 63, read).
+    metadata = len(parts) > 1 and parts[-2].lower().endswith((".dist-info", ".egg-info"))
     return (
         name in RUNNER_FILES
         or name.endswith(".pth")
         or any(p.split(".", 1)[0] in SITE_HOOKS for p in parts)
-        or (metadata and name == "entry_points.txt")
+        or (metadata and name.lower() == "entry_points.txt")
     )
 
 
@@ -319,13 +341,18 @@ def judge(
     roots: list[str],
     base_paths: set[str],
     runners: frozenset[str] = frozenset(),
+    whole_tree: bool = True,
 ) -> list[tuple[str, str]]:
-    """(path, reason) of each changed path that breaks a rule, decided on the real tree.
+    """(path, reason) of each changed path that breaks a rule, decided on the real tree, and
+    ``TEST_ADDED`` for a new test file that breaks none. ``whole_tree`` False: the rules as
+    before round 61 (a new test file is "tests_touched", a ``.gitattributes`` breaks none).
     ``runners``: the scripts the task's test command runs (``tests/runtests.py``, ``bin/test``),
     runner configuration like conftest.py. The work is bounded by the rows, not by what they
     hold: configuration texts are parsed up to ``CONFIG_BUDGET``."""
     tops = {r: {_module_name(p[len(r) :]) for p in base_paths if p.startswith(r)} for r in roots}
     budget = [CONFIG_BUDGET]
+    prefix_tops: dict[str, set[str | None]] | None = None
+    taken: set[str] | None = None
     out = []
     for row in rows:
         path, before = row["path"], row["before"]
@@ -334,9 +361,14 @@ def judge(
         reason = None
         if any(p.casefold() == ".git" for p in parts):
             reason = "git_dir_touched"
+        elif name == ".gitattributes" and whole_tree:
+            # How git writes files out (`ident`, `eol`, encodings) is no part of a fix, and the
+            # grader's git reads no attributes: a tree whose code reads its own text would be
+            # one thing here and another wherever git checks it out (round 61).
+            reason = "git_attributes"
         elif path in hidden:
             reason = "test_patch_path_created" if before is None else "tests_touched"
-        elif is_test_file(path):
+        elif is_test_file(path) and (before is not None or not whole_tree):
             reason = "tests_touched"
         elif (
             path in runners
@@ -351,14 +383,92 @@ def judge(
                 if not path.startswith(root):
                     continue
                 mod = _module_name(path[len(root) :])
-                # Grading's own modules live in the ``legorl`` namespace.
-                shadows = mod in names or (mod or "").startswith("legorl")
-                if mod and shadows and mod not in tops[root]:
+                if not mod or mod in tops[root]:
+                    continue
+                # A new top-level name on a folder the runner puts on sys.path. Grading's own
+                # modules live in the ``legorl`` namespace. Since round 64 it must also be a
+                # test's name, one no module has: a runner tries imports no environment has
+                # (Django's ``import ipdb``), and a new root module of that name would run in
+                # test runs alone.
+                new = whole_tree and before is None
+                if new and taken is None:
+                    taken = _taken(names, base_paths, hidden)
+                shadows = mod in names or mod.startswith("legorl")
+                if shadows or (new and taken is not None and (mod in taken or not _test_name(mod))):
                     reason = "shadowing"
                     break
+        if reason is None and before is None and is_test_file(path):
+            # A new test (a reproduction, a test of the fix's own) that breaks no other rule
+            # stays in the tree: the code under test sees the tree the patch makes. Unless it
+            # makes a package, or adds a file for a name its folder has, or a runner that puts
+            # one of its folders on sys.path (Django's puts tests/ first) would import it for
+            # a module the environment or the repository has (round 62).
+            if prefix_tops is None:
+                prefix_tops = _prefix_tops(base_paths)
+            if taken is None:
+                taken = _taken(names, base_paths, hidden)
+            inert = _inert(parts, taken, prefix_tops) and not _in_package(parts, base_paths)
+            reason = TEST_ADDED if inert else "shadowing"
         if reason:
             out.append((path, reason))
     return out
+
+
+def _taken(names: set[str], base_paths: set[str], hidden: set[str]) -> set[str]:
+    """Every module name the environment, the repository and the hidden tests have, at any
+    depth: a test module imported by its name alone (pytest's default import modes) must not
+    find a new file of that name first, on any path."""
+    taken = set(names)
+    for tops_there in (*_prefix_tops(base_paths).values(), *_prefix_tops(hidden).values()):
+        taken.update(t for t in tops_there if t)
+    return taken
+
+
+def _prefix_tops(base_paths: set[str]) -> dict[str, set[str | None]]:
+    """For each folder of the base tree, the top-level import names below it."""
+    out: dict[str, set[str | None]] = {}
+    for path in base_paths:
+        parts = path.split("/")
+        for i in range(len(parts)):
+            prefix = "/".join(parts[:i]) + ("/" if i else "")
+            out.setdefault(prefix, set()).add(_module_name("/".join(parts[i:])))
+    return out
+
+
+def _test_name(mod: str) -> bool:
+    """A module named as pytest collects tests (``test_*``, ``*_test``)."""
+    return mod.startswith("test_") or mod.endswith("_test")
+
+
+def _in_package(parts: list[str], base_paths: set[str]) -> bool:
+    """Whether a new module is a member of a package of the tree (its folder has an
+    ``__init__.py``): a framework imports a package's members by walking it (Django's
+    template tag libraries, round 65), whatever their names."""
+    if _module_name(parts[-1]) is None:
+        return False  # data: walking imports modules only
+    return "/".join([*parts[:-1], "__init__.py"]) in base_paths
+
+
+def _inert(parts: list[str], taken: set[str], prefix_tops: dict[str, set[str | None]]) -> bool:
+    """Whether no import can take a new file for another module. A runner may put any folder
+    above it on sys.path (Django's puts tests/ first) and import any name there, one the
+    environment has or one it only tries (``import ipdb``, round 63): from each folder above
+    it, a top-level name the file adds must be a test's (``test_*``, ``*_test``) and none of
+    ``taken`` (the environment's, the repository's and the hidden tests' module names). A file
+    that is no module (data) adds none, and no package's ``__init__`` is inert."""
+    if parts[-1].split(".", 1)[0] == "__init__":
+        return False
+    for i in range(len(parts)):
+        prefix = "/".join(parts[:i]) + ("/" if i else "")
+        mod = _module_name("/".join(parts[i:]))
+        here = prefix_tops.get(prefix, set())
+        if not mod or (mod in here and i < len(parts) - 1):
+            continue  # no module, or a folder the tree has there already
+        # A name new here, or a second file for a name its folder has (``test_x.so`` beside
+        # ``test_x.py``: the import system tries extension modules first).
+        if mod in here or not _test_name(mod) or mod in taken:
+            return False
+    return True
 
 
 def _refuse(patch: str) -> tuple[str, str] | None:
@@ -487,14 +597,20 @@ async def apply_model_patch(
         if judged.method is None:
             return judged
     if "judge_tree" not in defences_off:
-        await _judge_tree(sandbox, task, judged, runners)
+        whole = "put_back_fails" not in defences_off
+        await _judge_tree(sandbox, task, judged, runners, whole_tree=whole)
     else:
         judged.diff = patch
     return judged
 
 
 async def _judge_tree(
-    sandbox: Sandbox, task: Task, judged: Judged, runners: frozenset[str] = frozenset()
+    sandbox: Sandbox,
+    task: Task,
+    judged: Judged,
+    runners: frozenset[str] = frozenset(),
+    *,
+    whole_tree: bool = True,
 ) -> None:
     base = await _base_sha(sandbox)
     # The environment's own interpreter, isolated: it knows what the environment can import.
@@ -520,12 +636,15 @@ async def _judge_tree(
         judge,
         hidden={d.path for d in split_diff(task.test_patch)},
         names=set(found["names"]) - {"tree_probe"},
-        roots=import_roots(task, after),
+        roots=sorted({*import_roots(task, after), *_runner_folders(runners)}),
         base_paths=base_paths,
         runners=runners,
+        whole_tree=whole_tree,
     )
     # off the event loop: the other trajectories' gradings go on meanwhile
-    bad = await asyncio.to_thread(rules, found["changes"])
+    flagged = await asyncio.to_thread(rules, found["changes"])
+    bad = [(p, why) for p, why in flagged if why != TEST_ADDED]
+    judged.added_tests = [p for p, why in flagged if why == TEST_ADDED]
     rows = {r["path"]: r for r in found["changes"]}
     for path in found["odd"]:
         bad.append((path, "odd_file"))
@@ -546,7 +665,7 @@ async def _judge_tree(
         diff = found["diff"]  # nothing was reverted: the survey's diff is the tree's
     else:
         diff = await real_changes(sandbox, base)
-    left = await asyncio.to_thread(rules, diff["changes"])
+    left = [bad for bad in await asyncio.to_thread(rules, diff["changes"]) if bad[1] != TEST_ADDED]
     if left or diff["odd"]:
         raise SandboxError(f"grading: reverting left rule-breaking paths: {left[:3]}")
     if diff.get("too_large"):
