@@ -51,7 +51,7 @@ from legorl.verify.runner import (
     sources_of,
 )
 from legorl.verify.specs import SpecError, resolve
-from legorl.verify.tree import GRADE_DIR, Judged, apply_model_patch, apply_test_patch
+from legorl.verify.tree import GRADE_DIR, Judged, apply_model_patch, apply_test_patch, put_back
 
 _HISTORY = re.compile(
     r"git\s+(log|reflog|show|fsck|cat-file|rev-list|for-each-ref|describe|stash|tag|"
@@ -124,7 +124,7 @@ async def _judged_run(
         out.judged = await apply_model_patch(
             sandbox, task, patch, defences_off=config.defences_off, runners=runner_paths
         )
-        if out.judged.method is None:
+        if out.judged.method is None or put_back(out.judged, config.defences_off):
             return out
         applied, error = await apply_test_patch(sandbox, task, defences_off=config.defences_off)
         if applied is None:
@@ -393,10 +393,8 @@ async def _grade_once(
             verdict["patch_apply"] = judged.method
             if judged.added_tests:
                 verdict["added_tests"] = judged.added_tests
-            off = config.defences_off
-            if judged.reverted and not off & {"judge_tree", "put_back_fails"}:
-                # The tree graded is not the tree the patch makes: a fix that holds only where
-                # the grader put a change back is none (round 61). Named by `dropped`.
+            if put_back(judged, config.defences_off):
+                # A fix that holds only where the grader put a change back is none (round 61).
                 verdict["reason"] = "the patch changes paths the grader must put back"
                 return _done(traj, 0.0, verdict, flags, t0)
         if run.error or judged is None or run.test_run is None:

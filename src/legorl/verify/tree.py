@@ -309,13 +309,16 @@ def import_roots(task: Task, paths: set[str]) -> list[str]:
     return sorted(roots)
 
 
-def _runner_folders(runners: frozenset[str]) -> set[str]:
+def _runner_folders(runners: frozenset[str], base_paths: set[str]) -> set[str]:
     """The folders of the scripts a task's command runs, which Python puts first on sys.path
-    (Django's ``tests/runtests.py``: ``tests/``)."""
+    (Django's ``tests/runtests.py``: ``tests/``). A runner in a package's folder is library
+    code the script imports (sympy's ``sympy/testing/runtests.py``), its folder no path entry."""
     out = set()
     for script in runners:
         folder = str(PurePosixPath(script).parent)
-        out.add("" if folder == "." else f"{folder}/")
+        prefix = "" if folder == "." else f"{folder}/"
+        if f"{prefix}__init__.py" not in base_paths:
+            out.add(prefix)
     return out
 
 
@@ -351,8 +354,9 @@ def judge(
     hold: configuration texts are parsed up to ``CONFIG_BUDGET``."""
     tops = {r: {_module_name(p[len(r) :]) for p in base_paths if p.startswith(r)} for r in roots}
     budget = [CONFIG_BUDGET]
-    prefix_tops: dict[str, set[str | None]] | None = None
-    taken: set[str] | None = None
+    # What a new file's names must not meet (rounds 62 to 65): linear in the base tree.
+    prefix_tops = _prefix_tops(base_paths) if whole_tree else {}
+    taken = _taken(names, prefix_tops, hidden) if whole_tree else set()
     out = []
     for row in rows:
         path, before = row["path"], row["before"]
@@ -391,10 +395,8 @@ def judge(
                 # (Django's ``import ipdb``), and a new root module of that name would run in
                 # test runs alone.
                 new = whole_tree and before is None
-                if new and taken is None:
-                    taken = _taken(names, base_paths, hidden)
                 shadows = mod in names or mod.startswith("legorl")
-                if shadows or (new and taken is not None and (mod in taken or not _test_name(mod))):
+                if shadows or (new and (mod in taken or not _test_name(mod))):
                     reason = "shadowing"
                     break
         if reason is None and before is None and is_test_file(path):
@@ -403,23 +405,18 @@ def judge(
             # makes a package, or adds a file for a name its folder has, or a runner that puts
             # one of its folders on sys.path (Django's puts tests/ first) would import it for
             # a module the environment or the repository has (round 62).
-            if prefix_tops is None:
-                prefix_tops = _prefix_tops(base_paths)
-            if taken is None:
-                taken = _taken(names, base_paths, hidden)
-            inert = _inert(parts, taken, prefix_tops) and not _in_package(parts, base_paths)
-            reason = TEST_ADDED if inert else "shadowing"
+            reason = TEST_ADDED if _inert(parts, taken, prefix_tops, base_paths) else "shadowing"
         if reason:
             out.append((path, reason))
     return out
 
 
-def _taken(names: set[str], base_paths: set[str], hidden: set[str]) -> set[str]:
-    """Every module name the environment, the repository and the hidden tests have, at any
-    depth: a test module imported by its name alone (pytest's default import modes) must not
-    find a new file of that name first, on any path."""
+def _taken(names: set[str], prefix_tops: dict[str, set[str | None]], hidden: set[str]) -> set[str]:
+    """Every module name the environment, the repository (``prefix_tops``) and the hidden
+    tests have, at any depth: a test module imported by its name alone (pytest's default
+    import modes) must not find a new file of that name first, on any path."""
     taken = set(names)
-    for tops_there in (*_prefix_tops(base_paths).values(), *_prefix_tops(hidden).values()):
+    for tops_there in (*prefix_tops.values(), *_prefix_tops(hidden).values()):
         taken.update(t for t in tops_there if t)
     return taken
 
@@ -440,23 +437,23 @@ def _test_name(mod: str) -> bool:
     return mod.startswith("test_") or mod.endswith("_test")
 
 
-def _in_package(parts: list[str], base_paths: set[str]) -> bool:
-    """Whether a new module is a member of a package of the tree (its folder has an
-    ``__init__.py``): a framework imports a package's members by walking it (Django's
-    template tag libraries, round 65), whatever their names."""
-    if _module_name(parts[-1]) is None:
-        return False  # data: walking imports modules only
-    return "/".join([*parts[:-1], "__init__.py"]) in base_paths
-
-
-def _inert(parts: list[str], taken: set[str], prefix_tops: dict[str, set[str | None]]) -> bool:
+def _inert(
+    parts: list[str],
+    taken: set[str],
+    prefix_tops: dict[str, set[str | None]],
+    base_paths: set[str],
+) -> bool:
     """Whether no import can take a new file for another module. A runner may put any folder
     above it on sys.path (Django's puts tests/ first) and import any name there, one the
     environment has or one it only tries (``import ipdb``, round 63): from each folder above
     it, a top-level name the file adds must be a test's (``test_*``, ``*_test``) and none of
     ``taken`` (the environment's, the repository's and the hidden tests' module names). A file
-    that is no module (data) adds none, and no package's ``__init__`` is inert."""
+    that is no module (data) adds none. No package's ``__init__`` is inert, nor a module in a
+    package's folder: a framework imports a package's members by walking it, whatever their
+    names (Django's template tag libraries, round 65)."""
     if parts[-1].split(".", 1)[0] == "__init__":
+        return False
+    if _module_name(parts[-1]) and "/".join([*parts[:-1], "__init__.py"]) in base_paths:
         return False
     for i in range(len(parts)):
         prefix = "/".join(parts[:i]) + ("/" if i else "")
@@ -563,6 +560,12 @@ async def _legacy_apply(sandbox: Sandbox, path: str) -> tuple[str | None, str]:
     return None, error
 
 
+def put_back(judged: Judged, defences_off: frozenset[str]) -> bool:
+    """Whether the grader put back a change of the patch's, so that the tree it would grade is
+    not the tree the patch makes: such a patch does not pass, and its tests need not run."""
+    return bool(judged.reverted) and not defences_off & {"judge_tree", "put_back_fails"}
+
+
 async def apply_model_patch(
     sandbox: Sandbox,
     task: Task,
@@ -636,7 +639,7 @@ async def _judge_tree(
         judge,
         hidden={d.path for d in split_diff(task.test_patch)},
         names=set(found["names"]) - {"tree_probe"},
-        roots=sorted({*import_roots(task, after), *_runner_folders(runners)}),
+        roots=sorted({*import_roots(task, after), *_runner_folders(runners, base_paths)}),
         base_paths=base_paths,
         runners=runners,
         whole_tree=whole_tree,
@@ -665,7 +668,8 @@ async def _judge_tree(
         diff = found["diff"]  # nothing was reverted: the survey's diff is the tree's
     else:
         diff = await real_changes(sandbox, base)
-    left = [bad for bad in await asyncio.to_thread(rules, diff["changes"]) if bad[1] != TEST_ADDED]
+    still = await asyncio.to_thread(rules, diff["changes"])
+    left = [(p, why) for p, why in still if why != TEST_ADDED]
     if left or diff["odd"]:
         raise SandboxError(f"grading: reverting left rule-breaking paths: {left[:3]}")
     if diff.get("too_large"):
