@@ -3,6 +3,7 @@
 nox -s tests    # the whole suite, CPU
 nox -s lint     # ruff + mypy on src/legorl and cli/
 nox -s bench    # writes bench.json: legorl beside its baselines, as ratios
+nox -s fixtures # the gold checks over whole task suites
 nox -s demo     # the main job: `legorl loop` on the embedded default (CPU, local sandboxes)
 """
 
@@ -32,7 +33,18 @@ def tests(session: nox.Session) -> None:
         session.run("pytest", *session.posargs)
         return
     workers = os.environ.get("LEGORL_TEST_WORKERS", "2")
-    session.run("pytest", "-n", workers, "--dist", "loadgroup", "--durations", "40")
+    session.run(
+        "pytest", "-n", workers, "--dist", "loadgroup", "--durations", "40", "-m", "not fixtures"
+    )
+
+
+@nox.session(python=PYTHON)
+def fixtures(session: nox.Session) -> None:
+    """The gold checks over whole task suites (every toy task fails before and passes after its
+    gold patch, the generators reproduce the committed files, the real suite's gold patches pass
+    through verify on both backends): run them when a suite or its generator changes."""
+    _install(session)
+    session.run("pytest", "-n", "2", "--dist", "loadgroup", "-m", "fixtures", *session.posargs)
 
 
 @nox.session(python=PYTHON)

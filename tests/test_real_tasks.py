@@ -181,6 +181,7 @@ def test_a_test_comparing_with_its_own_always_equal_instrument_grades_its_gold_1
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.fixtures
 @pytest.mark.slow
 @pytest.mark.parametrize("sandbox", ["docker", "local"])
 def test_pytest_project_gold_passes_and_empty_fails_through_verify(
@@ -192,6 +193,7 @@ def test_pytest_project_gold_passes_and_empty_fails_through_verify(
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.fixtures
 @pytest.mark.slow
 def test_django_gold_passes_and_empty_fails_through_verify(tmp_path: Path) -> None:
     _need("docker")
@@ -349,6 +351,7 @@ def _django_check(task: Task, work: Path) -> list[str]:
     return problems
 
 
+@pytest.mark.fixtures
 @pytest.mark.slow
 def test_django_tasks_fail_before_and_pass_after_the_gold_patch_under_runtests(
     tmp_path: Path,

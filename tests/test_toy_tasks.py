@@ -61,6 +61,7 @@ def _all(tasks: dict[str, list[Task]]) -> list[Task]:
     return [task for split in SPLITS for task in tasks[split]]
 
 
+@pytest.mark.fixtures
 @pytest.mark.slow
 def test_generator_reproduces_the_committed_jsonl(suite: Path, tmp_path: Path) -> None:
     generator = f"fixtures.{SUITES[suite.name]}"
@@ -248,6 +249,7 @@ def _check_task(task: Task, suite: Path, work: Path) -> list[str]:
         return [f"{iid}: {type(exc).__name__}: {exc}"]
 
 
+@pytest.mark.fixtures
 @pytest.mark.slow
 def test_every_task_fails_before_and_passes_after_the_gold_patch(
     suite: Path, tasks: dict[str, list[Task]], tmp_path: Path

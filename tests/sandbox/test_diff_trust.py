@@ -121,7 +121,12 @@ def test_the_rollout_diff_ignores_what_the_agent_did_to_git(backend: Any) -> Non
     assert _reproduces(patch, files)
     # The control: the old diff, run with the agent's git, takes in its noise and filter.
     assert not _reproduces(old, files)
+    # The agent's .gitattributes is a change the grader must put back (its git reads no
+    # attributes), so the whole patch gets 0; without that file, the rest applies as it is.
     graded = run(_grade(backend, patch))
+    assert graded.reward == 0.0 and "git_attributes" in graded.hack_flags, graded.verdict
+    rest = "".join(d.text for d in parse_strict(patch) if d.path != ".gitattributes")
+    graded = run(_grade(backend, rest))
     assert graded.reward == 1.0 and graded.verdict["patch_apply"] == "git_apply", graded.verdict
 
 

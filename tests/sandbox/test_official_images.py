@@ -405,7 +405,9 @@ def test_code_under_test_cannot_read_the_fix_out_of_the_history_when_graded(
     off = frozenset({"differential"})
     assert _grade(docker_backend, t, patch, off).reward == 0.0
     # Control: graded on the image's own history, the same patch finds the fix and passes.
-    assert _grade(unlocked, t, patch, off).reward == 1.0
+    # There the image's install step left setup.cfg changed from its HEAD, which grading puts
+    # back; that alone gives 0 (put_back_fails), so the control switches it off.
+    assert _grade(unlocked, t, patch, off | {"put_back_fails"}).reward == 1.0
 
 
 # ---- the env's activation, as the probe finds it (no Docker) --------------------------------

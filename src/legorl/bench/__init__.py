@@ -1,7 +1,7 @@
 """Benchmarks for `nox -s bench`: each measures legorl beside a baseline in the same run.
 
     python -m legorl.bench --out bench.json [--only records_io|proxy|vllm|…] [--records-mb 1024]
-    python -m legorl.bench --quick --out bench.json   # every section, small: the CI smoke test
+    python -m legorl.bench --quick --out bench.json   # every section, small: a smoke test
 
 Every benchmark returns plain numbers and the ratios the issues set targets on; the report is
 one JSON file. Wall-clock figures on these shared machines are noisy, so each rate is the median
