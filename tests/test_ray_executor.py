@@ -296,10 +296,11 @@ def test_a_killed_node_s_runs_run_elsewhere_once_and_gc_clears_its_sandboxes(
 ) -> None:
     doomed = cluster.add()
     name = cluster.node_of(doomed)
-    driver = _popen("rollout", *_args(tmp_path, sleep=6, limit=4), "--ray", cluster.address,
+    driver = _popen("rollout", *_args(tmp_path, sleep=12, limit=4), "--ray", cluster.address,
                     cwd=tmp_path)  # fmt: skip
     try:
-        # the first wave is on all three nodes (two slots each): then SIGKILL one node
+        # the first wave is on all three nodes (two slots each): then SIGKILL one node (each run
+        # sleeps 12 s, so that under load the wave is still whole when its last sandbox starts)
         _wait_for(lambda: len(_sandboxes(cluster)) >= 6)
         cluster.cluster.remove_node(doomed, allow_graceful=False)
         _, err = driver.communicate(timeout=300)
