@@ -1,6 +1,6 @@
 """nox sessions: the README's two commands and the checks around them.
 
-nox -s tests    # the whole suite, CPU
+nox -s tests    # the suite on CPU (all but the fixtures' gold checks)
 nox -s lint     # ruff + mypy on src/legorl and cli/
 nox -s bench    # writes bench.json: legorl beside its baselines, as ratios
 nox -s fixtures # the gold checks over whole task suites
@@ -26,8 +26,9 @@ def _install(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """The whole test suite on CPU, on two workers (``LEGORL_TEST_WORKERS`` to change; a
-    module's tests share one, see tests/conftest.py). Arguments go to pytest, on one worker."""
+    """The test suite on CPU (all but the `fixtures` gold checks), on two workers
+    (``LEGORL_TEST_WORKERS`` to change; a module's tests share one, see tests/conftest.py).
+    Arguments go to pytest, on one worker."""
     _install(session)
     if session.posargs:
         session.run("pytest", *session.posargs)
@@ -44,7 +45,8 @@ def fixtures(session: nox.Session) -> None:
     gold patch, the generators reproduce the committed files, the real suite's gold patches pass
     through verify on both backends): run them when a suite or its generator changes."""
     _install(session)
-    session.run("pytest", "-n", "2", "--dist", "loadgroup", "-m", "fixtures", *session.posargs)
+    workers = os.environ.get("LEGORL_TEST_WORKERS", "2")
+    session.run("pytest", "-n", workers, "--dist", "loadgroup", "-m", "fixtures", *session.posargs)
 
 
 @nox.session(python=PYTHON)

@@ -2,9 +2,8 @@
 reports figures, so a broken benchmark fails CI instead of hiding until someone runs the bench.
 
 The sections that launch real vLLM servers, a Ray cluster, sandboxes or training runs are left
-to `nox -s bench` (`python -m legorl.bench --quick` runs them all in a few minutes): their quick
-runs cost the suite a quarter of an hour of CPU, and what they drive is tested by the tests of
-those parts (tests/engines, tests/test_ray_executor.py, tests/verify, tests/sandbox,
+to `nox -s bench` (`python -m legorl.bench --quick` runs them): their quick runs took about 16
+minutes of the suite's test time, and what they drive is tested by the tests of those parts (tests/engines, tests/test_ray_executor.py, tests/verify, tests/sandbox,
 tests/train)."""
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ def _backends_present() -> None:
         pytest.skip("needs Docker and bubblewrap")
 
 
+@pytest.mark.fixtures
 @pytest.mark.slow
 def test_realsuite_section_grades_gold_patches_on_both_backends() -> None:
     from legorl.bench.realsuite import BACKENDS, bench_realsuite
