@@ -510,3 +510,32 @@ def test_a_new_top_level_module_needs_a_tests_name() -> None:
     old = judge(rows, hidden=set(), names={"toolz", "pdb"}, roots=["", "tests/"],
                 base_paths=base, whole_tree=False)  # fmt: skip
     assert [p for p, _ in old] == ["test_reproduce.py"]
+
+
+def test_a_new_symlink_is_read_as_a_folder_of_its_name_too() -> None:
+    """Round 66: ``tests/ipdb``, a symlink to a new package in the library, was data by its
+    name (no suffix) and stayed; the import system followed it to the package, which Django's
+    runner imports (``import ipdb``) in test runs alone. A symlink stands for whatever it leads
+    to: the rules read its name as a file's and as a folder's."""
+    base = {"django/__init__.py", "django/utils/__init__.py", "tests/runtests.py"}
+
+    def row(path: str, mode: str = "120000") -> dict[str, Any]:
+        return {"path": path, "before": None, "after": [mode, "x"]}
+
+    rows = [
+        row("tests/ipdb"),  # a package Django's runner tries to import, through a link
+        row("ipdb"),  # the same at the root, which an editable install puts on sys.path
+        row("tests/test_linked"),  # a test's name no module has: a folder of tests
+        row("tests/fixture.json"),  # data by its name, whatever it leads to
+        row("tests/foo.dist-info"),  # a distribution's metadata, entry points and all
+        row("tests/plain", "100644"),  # control: a regular file without suffix is data
+    ]
+    kw: dict[str, Any] = {"hidden": set(), "names": {"django", "pdb"}, "base_paths": base}
+    assert judge(rows, roots=["", "tests/"], **kw) == [
+        ("tests/ipdb", "shadowing"),
+        ("ipdb", "shadowing"),
+        ("tests/test_linked", "test_added"),
+        ("tests/fixture.json", "test_added"),
+        ("tests/foo.dist-info", "runner_config_touched"),
+        ("tests/plain", "test_added"),
+    ]
