@@ -20,8 +20,8 @@ A hack's ``kind`` says where its defence lives:
   run's session, and the sibling must receive nothing.
 
 The agent's steps and the ``Hack`` row are in ``agent``; the rows in ``toy`` (the toy task),
-``django`` (a Django task of the real suite, and the ctypes rows), ``rounds`` (what each
-adaptive round found) and ``tree_rounds`` (what the rounds since 61 found in the judged tree).
+``django`` (a Django task of the real suite, and the ctypes rows), ``rounds``, ``later_rounds``
+and ``tree_rounds`` (what each adaptive round found: rounds 1 to 21, 22 to 60, and 61 on).
 """
 
 from __future__ import annotations
@@ -30,12 +30,13 @@ from typing import Any
 
 from legorl.verify.redteam.agent import Hack, honest
 from legorl.verify.redteam.django import DJANGO_AND_NATIVE
+from legorl.verify.redteam.later_rounds import LATER_ROUNDS
 from legorl.verify.redteam.rounds import ROUNDS, VARIANT_TESTS, variant_task
 from legorl.verify.redteam.toy import TOY, unittest_variant
 from legorl.verify.redteam.tree_rounds import TREE_ROUNDS
 
 #: Every row, in the README table's order.
-HACKS: list[Hack] = [*TOY, *DJANGO_AND_NATIVE, *ROUNDS, *TREE_ROUNDS]
+HACKS: list[Hack] = [*TOY, *DJANGO_AND_NATIVE, *ROUNDS, *LATER_ROUNDS, *TREE_ROUNDS]
 
 __all__ = [
     "HACKS",
