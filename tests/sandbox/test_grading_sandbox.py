@@ -540,14 +540,63 @@ def test_judged_commands_of_two_sandboxes_share_no_kernel_keyring(
     assert got[2].strip() == "the expected value", got
 
 
-def test_the_keyring_filter_is_known_per_machine_and_refused_elsewhere() -> None:
+def test_the_judged_filter_is_known_per_machine_and_refused_elsewhere() -> None:
     from legorl.sandbox import seccomp
 
-    for machine in seccomp.KEYRING_CALLS:
-        program = seccomp.keyring_filter(machine)
-        assert len(program) % 8 == 0 and len(program) // 8 <= 32
+    for machine in seccomp.ABIS:
+        program = seccomp.judged_filter(machine)
+        assert len(program) % 8 == 0 and len(program) // 8 <= 48
     with pytest.raises(ValueError, match="riscv64"):
-        seccomp.keyring_filter("riscv64")
+        seccomp.judged_filter("riscv64")
+
+
+#: ``unshare`` of the namespaces a judged command could make, in a child (the parent carries on
+#: whatever it gets), then a child process the usual way: prints the children's exit codes.
+_USERNS_PROBE = r"""
+import ctypes, os, subprocess, sys
+libc = ctypes.CDLL(None, use_errno=True)
+def child(flags):
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if libc.unshare(flags) == 0 else ctypes.get_errno())
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+user = child(0x10000000)  # CLONE_NEWUSER
+full = child(0x10000000 | 0x40000000 | 0x00020000)  # with CLONE_NEWNET and CLONE_NEWNS
+spawned = subprocess.run([sys.executable, "-c", "print(6 * 7)"], capture_output=True, text=True)
+print(user, full, spawned.stdout.strip())
+"""
+
+
+def test_a_judged_command_makes_no_user_namespace(
+    backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Round 67 (local backend): a judged command made user, network and mount namespaces and
+    # mounted a tmpfs, where Docker's default profile refused it. A user namespace gives the
+    # judged user every capability over namespaces of its own, each a way into more of the
+    # kernel; the local backend's filter refuses it as Docker does (`sandbox/seccomp.py`), and
+    # child processes are still made the usual way.
+    import errno
+
+    from legorl.sandbox import local_backend, seccomp
+
+    async def go() -> list[str]:
+        box = await _start(backend, grading=True)
+        try:
+            out = await _ok(box, ["python", "-c", _USERNS_PROBE], judged=True)
+        finally:
+            await box.close()
+        return out.split()
+
+    user, full, spawned = run(go())
+    assert (int(user), int(full)) == (errno.EPERM, errno.EPERM), (user, full)
+    assert spawned == "42"
+    if backend.name != "local":
+        return
+    # The control: the local backend's judged commands with a filter that allows every call.
+    allow = seccomp.struct.pack("=HBBI", 0x06, 0, 0, seccomp.ALLOW).hex()
+    monkeypatch.setattr(local_backend, "_judged_filter", lambda: allow)
+    user, full, spawned = run(go())
+    assert (int(user), int(full), spawned) == (0, 0, "42")
 
 
 #: Opens inotify instances: ``hold N S`` holds N for S seconds; ``count`` opens as many as the

@@ -85,7 +85,7 @@ from legorl.sandbox.view import View, mount_view
 def _judged_filter() -> str:
     """The judged commands' seccomp filter for this machine, in hex (`seccomp.py`)."""
     try:
-        return seccomp.keyring_filter(os.uname().machine).hex()
+        return seccomp.judged_filter(os.uname().machine).hex()
     except ValueError as exc:
         raise SandboxError(f"the local backend cannot confine a judged command: {exc}") from None
 
@@ -98,9 +98,10 @@ HOST_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/
 #: namespace, holding only CAP_SETUID, CAP_SETGID and CAP_SETPCAP: the bounding set emptied,
 #: groups dropped, uid and gid set (which clears the permitted, effective and ambient sets),
 #: the inheritable set cleared, the seccomp filter of ``seccomp.py`` installed (argv[2], its
-#: instructions in hex: the kernel keyring out of reach), then the command. bwrap's own ``--uid`` needs a user
-#: namespace, and there it maps the judged uid onto the caller's: run by root, the judged
-#: command would own every root-owned file (a 0700 folder of the grader's in /tmp included).
+#: instructions in hex: the kernel keyring and new user namespaces out of reach), then the
+#: command. bwrap's own ``--uid`` needs a user namespace, and there it maps the judged uid onto
+#: the caller's: run by root, the judged command would own every root-owned file (a 0700
+#: folder of the grader's in /tmp included).
 _BECOME_JUDGED = r"""
 import ctypes, os, sys
 uid = int(sys.argv[1])

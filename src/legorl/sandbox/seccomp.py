@@ -1,60 +1,117 @@
-"""The seccomp filter of the local backend's judged commands: the kernel's key management calls
-(``add_key``, ``request_key``, ``keyctl``) fail with EPERM, as Docker's default profile makes
-them fail in a container; every other call is allowed.
+"""The seccomp filter of the local backend's judged commands: what Docker's default profile
+refuses a process without capabilities, and which would reach kernel state beyond the sandbox,
+is refused here too; every other call is allowed.
 
-The kernel keyring is state no namespace bubblewrap makes can separate: every process of one
-uid reaches that uid's user keyring, across sandboxes, and its keys outlive them. Round 41: the
-two runs of one grading ran as the same judged user, and the ordinary run, which holds the
-tests as written, handed the judged run their expected values through it. A judged command
-installs the filter as the last step before it becomes the command (``local_backend``'s
-``_BECOME_JUDGED``): it cannot be removed, and every child inherits it.
+- **The kernel keyring** (``add_key``, ``request_key``, ``keyctl``: EPERM). No namespace
+  bubblewrap makes can separate it: every process of one uid reaches that uid's user keyring,
+  across sandboxes, and its keys outlive them. Round 41: the two runs of one grading ran as the
+  same judged user, and the ordinary run, which holds the tests as written, handed the judged
+  run their expected values through it.
+- **New user namespaces** (``unshare`` and ``clone`` with ``CLONE_NEWUSER``: EPERM; ``clone3``,
+  whose flags a filter cannot read: ENOSYS, so that the C library falls back to ``clone``).
+  Inside one, the judged user holds every capability over namespaces of its own: it can mount,
+  and make network, mount and IPC namespaces, each a way into more of the kernel (round 67:
+  a judged command made user, network and mount namespaces and mounted a tmpfs on the local
+  backend; Docker's profile refused it). Without one, making any other namespace takes
+  ``CAP_SYS_ADMIN``, which the judged user does not have.
 
-    program = keyring_filter("x86_64")   # bytes: classic BPF, one 8-byte instruction each
+A judged command installs the filter as the last step before it becomes the command
+(``local_backend``'s ``_BECOME_JUDGED``): it cannot be removed, and every child inherits it.
+
+    program = judged_filter("x86_64")   # bytes: classic BPF, one 8-byte instruction each
 """
 
 from __future__ import annotations
 
 import struct
+from typing import NamedTuple
 
 _LD_ABS = 0x20  # BPF_LD | BPF_W | BPF_ABS: a word of struct seccomp_data
 _JEQ = 0x15  # BPF_JMP | BPF_JEQ | BPF_K
+_JSET = 0x45  # BPF_JMP | BPF_JSET | BPF_K
 _AND = 0x54  # BPF_ALU | BPF_AND | BPF_K
 _RET = 0x06  # BPF_RET | BPF_K
-_NR, _ARCH = 0, 4  # offsets in struct seccomp_data
+_NR, _ARCH, _ARG0 = 0, 4, 16  # offsets in struct seccomp_data (arg 0's low word, little-endian)
 ALLOW = 0x7FFF0000  # SECCOMP_RET_ALLOW
 DENY = 0x00050000 | 1  # SECCOMP_RET_ERRNO | EPERM
+NOSYS = 0x00050000 | 38  # SECCOMP_RET_ERRNO | ENOSYS
+CLONE_NEWUSER = 0x10000000
 
-#: The host's machine -> per ABI it can run: (AUDIT_ARCH_*, a mask for the call number, the
-#: numbers of add_key, request_key and keyctl). x86_64's mask folds x32 calls (bit 30) onto
-#: theirs; the compat ABIs (i386, 32-bit ARM) have numbers of their own.
-KEYRING_CALLS: dict[str, list[tuple[int, int | None, tuple[int, ...]]]] = {
-    "x86_64": [(0xC000003E, 0xBFFFFFFF, (248, 249, 250)), (0x40000003, None, (286, 287, 288))],
-    "aarch64": [(0xC00000B7, None, (217, 218, 219)), (0x40000028, None, (309, 310, 311))],
+
+class Abi(NamedTuple):
+    """One ABI a machine runs: its AUDIT_ARCH_*, a mask for the call number (x86_64's folds
+    x32 calls, bit 30, onto theirs), and its call numbers."""
+
+    arch: int
+    mask: int | None
+    keyring: tuple[int, ...]  # add_key, request_key, keyctl
+    unshare: int
+    clone: int
+    clone3: int
+
+
+#: The host's machine -> the ABIs it can run (the compat ABIs, i386 and 32-bit ARM, have numbers
+#: of their own).
+ABIS: dict[str, list[Abi]] = {
+    "x86_64": [
+        Abi(0xC000003E, 0xBFFFFFFF, (248, 249, 250), unshare=272, clone=56, clone3=435),
+        Abi(0x40000003, None, (286, 287, 288), unshare=310, clone=120, clone3=435),
+    ],
+    "aarch64": [
+        Abi(0xC00000B7, None, (217, 218, 219), unshare=97, clone=220, clone3=435),
+        Abi(0x40000028, None, (309, 310, 311), unshare=337, clone=120, clone3=435),
+    ],
 }
 
+_Insn = tuple[int, "int | str", "int | str", int]  # code, jump if true, jump if false, k
 
-def keyring_filter(machine: str) -> bytes:
+
+def judged_filter(machine: str) -> bytes:
     """The filter for ``machine`` (``os.uname().machine``) as the bytes of its instructions.
     ValueError for a machine whose call numbers are not known here."""
-    abis = KEYRING_CALLS.get(machine)
+    abis = ABIS.get(machine)
     if abis is None:
-        known = ", ".join(sorted(KEYRING_CALLS))
-        raise ValueError(f"no keyring filter for machine {machine!r} (known: {known})")
-    prog: list[tuple[int, int | str, int, int]] = [(_LD_ABS, 0, 0, _ARCH)]
-    for arch, mask, numbers in abis:
-        block: list[tuple[int, int | str, int, int]] = [(_LD_ABS, 0, 0, _NR)]
-        if mask is not None:
-            block.append((_AND, 0, 0, mask))
-        block += [(_JEQ, "deny", 0, n) for n in numbers]
-        block.append((_RET, 0, 0, ALLOW))
-        prog.append((_JEQ, 0, len(block), arch))  # another ABI: on to the next test
-        prog += block
-    prog.append((_RET, 0, 0, ALLOW))
-    deny = len(prog)
-    prog.append((_RET, 0, 0, DENY))
+        known = ", ".join(sorted(ABIS))
+        raise ValueError(f"no seccomp filter for machine {machine!r} (known: {known})")
+    prog: list[_Insn | str] = [(_LD_ABS, 0, 0, _ARCH)]
+    for i, abi in enumerate(abis):
+        prog.append((_JEQ, 0, f"abi{i + 1}", abi.arch))  # another ABI: on to the next test
+        prog.append((_LD_ABS, 0, 0, _NR))
+        if abi.mask is not None:
+            prog.append((_AND, 0, 0, abi.mask))
+        prog += [(_JEQ, "deny", 0, n) for n in abi.keyring]
+        prog.append((_JEQ, "nosys", 0, abi.clone3))
+        prog.append((_JEQ, "flags", 0, abi.unshare))
+        prog.append((_JEQ, "flags", "allow", abi.clone))
+        prog.append(f"abi{i + 1}")
+    prog += [
+        "allow",
+        (_RET, 0, 0, ALLOW),
+        "flags",  # unshare / clone: refused when their flags make a user namespace
+        (_LD_ABS, 0, 0, _ARG0),
+        (_JSET, "deny", 0, CLONE_NEWUSER),
+        (_RET, 0, 0, ALLOW),
+        "deny",
+        (_RET, 0, 0, DENY),
+        "nosys",
+        (_RET, 0, 0, NOSYS),
+    ]
+    return _assemble(prog)
+
+
+def _assemble(prog: list[_Insn | str]) -> bytes:
+    """Classic BPF from instructions and labels (a label names the next instruction; a jump
+    names a label or gives its offset, and goes forward only)."""
+    labels: dict[str, int] = {}
+    insns: list[_Insn] = []
+    for item in prog:
+        if isinstance(item, str):
+            labels[item] = len(insns)
+        else:
+            insns.append(item)
     out = bytearray()
-    for i, (code, jt, jf, k) in enumerate(prog):
-        offset = deny - (i + 1) if jt == "deny" else jt
-        assert isinstance(offset, int) and 0 <= offset < 256
-        out += struct.pack("=HBBI", code, offset, jf, k)
+    for i, (code, jt, jf, k) in enumerate(insns):
+        jumps = [labels[j] - (i + 1) if isinstance(j, str) else j for j in (jt, jf)]
+        assert all(0 <= j < 256 for j in jumps), (i, jumps)
+        out += struct.pack("=HBBI", code, jumps[0], jumps[1], k)
     return bytes(out)
