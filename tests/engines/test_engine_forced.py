@@ -126,3 +126,48 @@ async def test_concurrent_sessions_context_and_weights(tmp_path: Path) -> None:
     assert await engine.load_weights(str(tmp_path / "ckpt")) == 1
     assert engine.policy_version == 1
     await engine.close()
+
+
+@pytest.mark.asyncio
+async def test_a_call_that_repeats_the_last_one_reuses_its_prefix_and_scores_the_same(
+    tmp_path: Path,
+) -> None:
+    import torch
+
+    first, second = "Run the tests.", "Done: 3 passed."
+    engine = forced([{"text": first}, {"text": second, "repeat": True}])
+    req = request("Fix the bug.", temperature=0.7)
+    steps, _ = await collect(engine, req)
+    # the harness's next call: the last prompt and completion, then the tool's result
+    tool = tokenizer().encode("<|im_start|>user\nok<|im_end|>\n", add_special_tokens=False)
+    nxt = GenerationRequest(
+        prompt_ids=[*req.prompt_ids, *(s.token_id for s in steps), *tool],
+        stop_token_ids=[IM_END], max_tokens=200, temperature=0.7,
+    )  # fmt: skip
+    steps2, _ = await collect(engine, nxt)
+    assert engine.reused_tokens == len(req.prompt_ids) + len(steps)
+    ids = nxt.prompt_ids + [s.token_id for s in steps2]
+    ref = reference_logprobs(reference_model(), ids, len(nxt.prompt_ids), 0.7)
+    max_delta, pearson = agreement([s.logprob for s in steps2], ref)
+    assert max_delta < 1e-4 and pearson > 0.9999
+    # New weights drop the kept K/V: the same call is scored afresh, by the new weights.
+    model = reference_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    model.save_pretrained(tmp_path / "ckpt")
+    await engine.load_weights(str(tmp_path / "ckpt"))
+    reused = engine.reused_tokens
+    steps3, _ = await collect(engine, nxt)
+    assert engine.reused_tokens == reused
+    ref = reference_logprobs(model, ids, len(nxt.prompt_ids), 0.7)
+    max_delta, _ = agreement([s.logprob for s in steps3], ref)
+    assert max_delta < 1e-4
+    # Control: with no cache kept the call is scored in full, to the same numbers.
+    plain = forced([{"text": second, "repeat": True}], prefix_cache_tokens=0)
+    steps4, _ = await collect(plain, nxt)
+    assert plain.reused_tokens == 0
+    max_delta, _ = agreement([s.logprob for s in steps4], [s.logprob for s in steps2])
+    assert max_delta < 1e-4
+    await engine.close()
+    await plain.close()

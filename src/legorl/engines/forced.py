@@ -18,9 +18,12 @@ request fails with ``EngineError``.
 
 The completion is the entry's tokens plus the request's first stop token (``<|im_end|>`` for
 ChatML), cut after the first stop token it contains, at ``max_tokens`` and at the model's
-context. Every log-prob comes from one real forward pass over prompt + completion at the
+context. Every log-prob comes from a real forward pass over prompt + completion at the
 request's temperature (``log_softmax(logits / T)``, T = 0 scored at T = 1), so a trainer's
-recompute must agree with it. Tokens stream out in chunks of ``chunk_tokens``.
+recompute must agree with it. The K/V of the sequences scored last (up to
+``prefix_cache_tokens`` tokens, dropped when weights load) are kept, and a request that starts
+with one of them runs the pass over the rest only: a harness's next call repeats its last
+prompt and completion. Tokens stream out in chunks of ``chunk_tokens``.
 """
 
 from __future__ import annotations
@@ -142,6 +145,7 @@ class ForcedConfig:
     device: str = "cpu"
     max_context: int | None = None  # None: the model config's max_position_embeddings
     chunk_tokens: int = 4  # tokens per streamed chunk
+    prefix_cache_tokens: int = 262144  # tokens of K/V kept from earlier requests (0: none)
 
 
 class ForcedEngine:
@@ -167,11 +171,15 @@ class ForcedEngine:
         # One thread for all model work: scoring stays off the event loop and in request order,
         # and a weight load waits for the scoring before it.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="legorl-forced")
+        # The K/V of the last sequences scored, newest first (model thread only): a harness's
+        # next call repeats its last prompt and completion, and scoring a long prompt again
+        # (Claude Code's is 50k tokens) is what a test spent its time on.
+        self._prefixes: list[tuple[list[int], Any]] = []
+        self._cacheable = config.prefix_cache_tokens > 0 and _plain_layers(self._model)
+        self.reused_tokens = 0  # prompt tokens whose K/V came from the prefix cache
         self.requests: list[GenerationRequest] = []  # every request served, for tests to inspect
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[list[TokenStep]]:
-        from legorl.engines.models import token_logprobs
-
         prompt = request.prompt_ids
         if not prompt:
             raise EngineRequestError("empty prompt: at least one token is needed")
@@ -184,13 +192,7 @@ class ForcedEngine:
             return
         loop = asyncio.get_running_loop()
         logprobs = await loop.run_in_executor(
-            self._executor,
-            lambda: token_logprobs(
-                self._model,
-                [*prompt, *completion],
-                start=len(prompt),
-                temperature=request.temperature,
-            ),
+            self._executor, self._score, [*prompt, *completion], len(prompt), request.temperature
         )
         step = max(1, self.config.chunk_tokens)
         for lo in range(0, len(completion), step):
@@ -199,6 +201,29 @@ class ForcedEngine:
                 for t, lp in zip(completion[lo : lo + step], logprobs[lo : lo + step], strict=True)
             ]
             await asyncio.sleep(0)  # let other sessions run between chunks, as a real engine
+
+    def _score(self, ids: list[int], start: int, temperature: float) -> list[float]:
+        """The log-probs of ``ids[start:]``, the pass run over what no kept prefix holds; the
+        sequence's K/V is kept for the next request (model thread)."""
+        from legorl.engines.models import token_logprobs
+
+        if not self._cacheable:
+            return token_logprobs(self._model, ids, start=start, temperature=temperature)
+        n, kv = 0, None
+        for tokens, held in self._prefixes:
+            common = min(_common_prefix(tokens, ids), start - 1)
+            if common > n:
+                n, kv = common, held
+        prefix = [(k[:, :, :n], v[:, :, :n]) for k, v in kv] if kv is not None else None
+        keep: list[Any] = []
+        logprobs = token_logprobs(
+            self._model, ids, start=start, temperature=temperature, prefix=prefix, keep=keep
+        )
+        self.reused_tokens += n
+        self._prefixes.insert(0, (ids, keep[0]))
+        while sum(len(t) for t, _ in self._prefixes) > self.config.prefix_cache_tokens:
+            self._prefixes.pop()
+        return logprobs
 
     def _completion(self, entry: ScriptEntry, request: GenerationRequest) -> list[int]:
         if entry.ids is not None:
@@ -221,9 +246,13 @@ class ForcedEngine:
     async def load_weights(self, path: str) -> int:
         from legorl.engines.models import reload_weights
 
+        def reload() -> None:
+            self._prefixes.clear()  # K/V of the old weights
+            reload_weights(self._model, path)
+
         loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(self._executor, reload_weights, self._model, path)
+            await loop.run_in_executor(self._executor, reload)
         except Exception as exc:
             raise EngineError(f"load_weights({path!r}) failed: {exc}") from exc
         self.policy_version += 1
@@ -231,3 +260,20 @@ class ForcedEngine:
 
     async def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _plain_layers(model: Any) -> bool:
+    """Whether the model's cache is full-attention ``DynamicLayer``s only, whose K/V a prefix
+    can be cut from (a sliding window's cannot)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)

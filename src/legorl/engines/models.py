@@ -9,7 +9,8 @@ The log-prob of a token is ``log_softmax(raw_logits / T)[token]``: raw logits, a
 temperature, before top-p or any other processor; a temperature of 0 (greedy) scores at T = 1.
 ``token_logprobs`` runs the decoder once over the whole sequence and applies the output head in
 chunks of positions, so a long sequence never holds fp32 full-vocabulary logits for every
-position at once (only ``[chunk, vocab]``).
+position at once (only ``[chunk, vocab]``). Given the K/V of a prefix it computed before, it runs
+over the rest of the sequence only (the ``forced`` engine's prefix cache).
 
 torch and transformers are imported inside the functions, so importing this module is cheap.
 """
@@ -22,6 +23,8 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    KV = list[tuple[torch.Tensor, torch.Tensor]]
 
 DType = Literal["float32", "bfloat16"]
 Device = str  # "cpu", "cuda", "cuda:1", …
@@ -145,27 +148,48 @@ def token_logprobs(
     start: int,
     temperature: float,
     chunk: int = DEFAULT_LOGPROB_CHUNK,
+    prefix: KV | None = None,
+    keep: list[KV] | None = None,
 ) -> list[float]:
     """Log-probs of ``input_ids[start:]``, each given everything before it, in one decoder pass.
 
     ``start`` must be >= 1 (the first token has no context). Only the output head is chunked:
-    ``chunk`` positions of fp32 logits exist at a time.
+    ``chunk`` positions of fp32 logits exist at a time. ``prefix``: the K/V of the sequence's
+    first tokens, per layer ``[1, H_kv, n, D]`` with ``n < start``, computed by this model
+    over exactly those tokens; the pass then runs over the rest only. ``keep``: a list the
+    whole sequence's K/V is appended to, for a later call's ``prefix``.
     """
     import torch
 
     if not 1 <= start <= len(input_ids):
         raise ValueError(f"start must be in 1..{len(input_ids)}, got {start}")
-    if start == len(input_ids):
+    if start == len(input_ids) and keep is None:
         return []
+    n = prefix[0][0].shape[-2] if prefix else 0
+    if not 0 <= n < start:
+        raise ValueError(f"a prefix of {n} tokens leaves no position before {start} to run")
     device = next(model.parameters()).device
     ids = torch.tensor([input_ids], dtype=torch.long, device=device)  # [1, T]
     with torch.inference_mode():
-        hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state  # [1, T, H]
+        cache = None
+        if keep is not None or prefix:
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=model.config)
+            layers: list[Any] = cache.layers  # DynamicLayers (the caller's to check)
+            for layer, (k, v) in zip(layers, prefix or [], strict=False):
+                layer.lazy_initialization(k, v)
+                layer.keys, layer.values = k, v  # a DynamicLayer concatenates: never written
+        out = model.get_decoder()(input_ids=ids[:, n:], cache=cache, use_cache=cache is not None)
+        hidden = out.last_hidden_state  # [1, T - n, H], positions n..T-1
+        if keep is not None:
+            assert cache is not None
+            keep.append([(layer.keys, layer.values) for layer in layers])
         # position p predicts token p + 1: score hidden[start - 1 : T - 1] against ids[start:]
         targets = ids[0, start:]  # [N]
-        out: list[torch.Tensor] = []
+        scored: list[torch.Tensor] = []
         for lo in range(0, targets.numel(), chunk):
-            h = hidden[0, start - 1 + lo : start - 1 + lo + chunk]  # [c, H]
+            h = hidden[0, start - 1 - n + lo : start - 1 - n + lo + chunk]  # [c, H]
             lp = scaled_logprobs(logits_from_hidden(model, h), temperature)  # [c, V]
-            out.append(lp.gather(-1, targets[lo : lo + chunk, None])[:, 0])
-    return torch.cat(out).tolist()
+            scored.append(lp.gather(-1, targets[lo : lo + chunk, None])[:, 0])
+    return torch.cat(scored).tolist() if scored else []
