@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 from pathlib import Path
 
@@ -151,7 +152,7 @@ async def test_a_call_that_repeats_the_last_one_reuses_its_prefix_and_scores_the
     max_delta, pearson = agreement([s.logprob for s in steps2], ref)
     assert max_delta < 1e-4 and pearson > 0.9999
     # New weights drop the kept K/V: the same call is scored afresh, by the new weights.
-    model = reference_model()
+    model = copy.deepcopy(reference_model())  # the shared reference stays as it is
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1.5)

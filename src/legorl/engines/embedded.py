@@ -72,6 +72,7 @@ from legorl.engines.adapters import (
     is_adapter,
     read_adapter,
 )
+from legorl.engines.models import common_prefix
 from legorl.protocols import (
     POLICY_ADAPTER,
     ContextLengthError,
@@ -422,7 +423,7 @@ class EmbeddedEngine:
             return
         self._prefix_tokens -= len(cached.tokens)
         # at least one prompt token must run through the model to give the next-token logits
-        n = min(_common_prefix(cached.tokens, seq.tokens), seq.prompt_len - 1)
+        n = min(common_prefix(cached.tokens, seq.tokens), seq.prompt_len - 1)
         if n > 0:
             kept = [(k[:, :, :n], v[:, :, :n]) for k, v in cached.kv]
             seq.cache = self._new_cache(kept, capacity=self._own_room(seq))
@@ -795,20 +796,6 @@ def _resolve(future: asyncio.Future[int], result: int | BaseException) -> None:
         future.set_exception(result)
     else:
         future.set_result(result)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the usual case: the new prompt extends the cached tokens
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]: bisect on slice equality
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def _sample(seqs: list[_Sequence], logits: torch.Tensor) -> tuple[list[int], list[float]]:

@@ -205,13 +205,13 @@ class ForcedEngine:
     def _score(self, ids: list[int], start: int, temperature: float) -> list[float]:
         """The log-probs of ``ids[start:]``, the pass run over what no kept prefix holds; the
         sequence's K/V is kept for the next request (model thread)."""
-        from legorl.engines.models import token_logprobs
+        from legorl.engines.models import common_prefix, token_logprobs
 
         if not self._cacheable:
             return token_logprobs(self._model, ids, start=start, temperature=temperature)
         n, kv = 0, None
         for tokens, held in self._prefixes:
-            common = min(_common_prefix(tokens, ids), start - 1)
+            common = min(common_prefix(tokens, ids), start - 1)
             if common > n:
                 n, kv = common, held
         prefix = [(k[:, :, :n], v[:, :, :n]) for k, v in kv] if kv is not None else None
@@ -260,14 +260,6 @@ class ForcedEngine:
 
     async def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def _plain_layers(model: Any) -> bool:

@@ -193,3 +193,18 @@ def token_logprobs(
             lp = scaled_logprobs(logits_from_hidden(model, h), temperature)  # [c, V]
             scored.append(lp.gather(-1, targets[lo : lo + chunk, None])[:, 0])
     return torch.cat(scored).tolist() if scored else []
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share (a cached prefix's reach)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case: the new prompt extends the cached tokens
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]: bisect on slice equality
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
