@@ -72,7 +72,7 @@ from legorl.engines.adapters import (
     is_adapter,
     read_adapter,
 )
-from legorl.engines.models import common_prefix
+from legorl.engines.models import common_prefix, odd_cache_layers
 from legorl.protocols import (
     POLICY_ADAPTER,
     ContextLengthError,
@@ -330,11 +330,7 @@ class EmbeddedEngine:
         return rows.to("cpu").numpy().astype(self.routing_layout.dtype())
 
     def _check_cache_layout(self) -> None:
-        from transformers import DynamicCache
-        from transformers.cache_utils import DynamicLayer
-
-        layers = DynamicCache(config=self._model.config).layers
-        odd = {type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer}
+        odd = odd_cache_layers(self._model)
         if odd:
             raise EngineError(
                 "the embedded engine batches plain full-attention KV caches only; this model "

@@ -155,7 +155,12 @@ class ForcedEngine:
     config_class: ClassVar[type] = ForcedConfig
 
     def __init__(self, config: ForcedConfig) -> None:
-        from legorl.engines.models import load_model, load_tokenizer, max_context_of
+        from legorl.engines.models import (
+            load_model,
+            load_tokenizer,
+            max_context_of,
+            odd_cache_layers,
+        )
 
         self.config = config
         self.policy_version = 0
@@ -175,7 +180,7 @@ class ForcedEngine:
         # next call repeats its last prompt and completion, and scoring a long prompt again
         # (Claude Code's is 50k tokens) is what a test spent its time on.
         self._prefixes: list[tuple[list[int], Any]] = []
-        self._cacheable = config.prefix_cache_tokens > 0 and _plain_layers(self._model)
+        self._cacheable = config.prefix_cache_tokens > 0 and not odd_cache_layers(self._model)
         self.reused_tokens = 0  # prompt tokens whose K/V came from the prefix cache
         self.requests: list[GenerationRequest] = []  # every request served, for tests to inspect
 
@@ -260,12 +265,3 @@ class ForcedEngine:
 
     async def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-
-
-def _plain_layers(model: Any) -> bool:
-    """Whether the model's cache is full-attention ``DynamicLayer``s only, whose K/V a prefix
-    can be cut from (a sliding window's cannot)."""
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-
-    return all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)

@@ -208,3 +208,13 @@ def common_prefix(a: list[int], b: list[int]) -> int:
         else:
             hi = mid
     return lo
+
+
+def odd_cache_layers(model: PreTrainedModel) -> set[str]:
+    """The class names of the model's cache layers that are not full-attention
+    ``DynamicLayer``s (a sliding window's, say), whose K/V a prefix cannot be cut from."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    layers = DynamicCache(config=model.config).layers
+    return {type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer}
