@@ -452,14 +452,14 @@ def _inert(
     link: bool = False,
 ) -> bool:
     """Whether no import can take a new file for another module (``link``: a symlink, read as
-    a folder of its name too). A runner may put any folder
-    above it on sys.path (Django's puts tests/ first) and import any name there, one the
-    environment has or one it only tries (``import ipdb``, round 63): from each folder above
-    it, a top-level name the file adds must be a test's (``test_*``, ``*_test``) and none of
-    ``taken`` (the environment's, the repository's and the hidden tests' module names). A file
-    that is no module (data) adds none. No package's ``__init__`` is inert, nor a module in a
-    package's folder: a framework imports a package's members by walking it, whatever their
-    names (Django's template tag libraries, round 65)."""
+    a folder of its name too). A runner may put any folder above it on sys.path (Django's puts
+    tests/ first) and import any name there, one the environment has or one it only tries
+    (``import ipdb``, round 63): from each folder above it, a top-level name the file adds must
+    be a test's (``test_*``, ``*_test``) and none of ``taken`` (the environment's, the
+    repository's and the hidden tests' module names). A file that is no module (data) adds
+    none. No package's ``__init__`` is inert, nor a module in a package's folder: a framework
+    imports a package's members by walking it, whatever their names (Django's template tag
+    libraries, round 65)."""
     if parts[-1].split(".", 1)[0] == "__init__":
         return False
     if _module_name(parts[-1], link=link) and "/".join([*parts[:-1], "__init__.py"]) in base_paths:
