@@ -209,28 +209,38 @@ def test_a_sandbox_whose_tools_the_agent_replaced_is_its_outcome() -> None:
 
 def test_a_local_sandbox_the_agent_broke_itself_is_its_outcome() -> None:
     # Round 6: the host's Python is bound below the agent's writable HOME (or /tmp); the agent
-    # replaces the folder holding that mount point with a dangling link, and every later
-    # bubblewrap of its sandbox fails to set up. Its folders are there and a bubblewrap with
-    # nothing of its own runs: what its commands left broke it, ``harness_error``.
+    # replaced the folder holding that mount point with a dangling link, and every later
+    # bubblewrap of its sandbox failed to set up. Since round 71 that folder is a tmpfs of each
+    # command's own, which no command can move; a sandbox broken that way (the link made here,
+    # on the host, as such a command left it) is still the agent's outcome: its folders are
+    # there and a bubblewrap with nothing of its own runs, so ``harness_error``.
     backend = sandbox_backend("local")
     task = _task()
 
-    async def run() -> tuple[bool | None, bool | None, str, dict]:
+    async def run() -> tuple[bool | None, str, bool | None, str, dict]:
         box = await backend.start(task, str(TASKS), run_id="legorl-test-broke", proxy_url=None)
         try:
             flags = box._flags
-            bound = [flags[i + 1] for i, f in enumerate(flags[:-2]) if f == "--ro-bind"]
+            bound = [flags[i + 2] for i, f in enumerate(flags[:-2]) if f == "--ro-bind"]
             nested = [p for p in bound if p.startswith(("/root/", "/tmp/"))]
             if not nested:
                 pytest.skip("this host's Python is not bound below the sandbox's HOME or /tmp")
             top = "/".join(nested[-1].split("/")[:3])  # /root/.pyenv
             before = await box.alive()
-            await box.exec(["sh", "-c", f"mv {top} {top}-moved && ln -s /nonexistent {top}"])
+            moved = await box.exec(
+                ["sh", "-c", f"mv {top} {top}-moved && ln -s /nonexistent {top}"]
+            )
+            alive = await box.alive()
+            held = f"{moved.exit_code}: {moved.output.strip()}"
+            mount, name = top.rsplit("/", 1)
+            host = box.root / {"/root": "home", "/tmp": "tmp"}[mount] / name
+            host.rmdir()  # the empty mount point bwrap made
+            host.symlink_to("/nonexistent")
             evidence: dict = {}
-            return before, await box.alive(), await _sandbox_failure(box, evidence), evidence
+            return before, held, alive, await _sandbox_failure(box, evidence), evidence
         finally:
             await box.close()
 
-    before, after, status, evidence = asyncio.run(run())
-    assert before is True and after is False
+    before, held, alive, status, evidence = asyncio.run(run())
+    assert before is True and alive is True and "busy" in held, held
     assert status == "harness_error", evidence

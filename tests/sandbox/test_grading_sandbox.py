@@ -66,7 +66,9 @@ async def _probe(box: Any, judged: bool) -> dict[str, str]:
     return dict(json.loads(out.strip().splitlines()[-1]))
 
 
-def test_nothing_outside_the_repository_and_tmp_is_writable(backend: Any) -> None:
+def test_nothing_outside_the_repository_and_tmp_is_writable(
+    backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     async def go() -> None:
         box = await _start(backend, grading=True)
         try:
@@ -86,7 +88,13 @@ def test_nothing_outside_the_repository_and_tmp_is_writable(backend: Any) -> Non
         assert not {f for f, v in root.items() if v == "written"}, root
 
         # Control: in an agent sandbox, root writes the sandbox's root (both backends) and the
-        # env's site-packages (Docker; the local env layer is bound read-only there too).
+        # env's site-packages (Docker; the local env layer is bound read-only there too). Run
+        # by root, a local agent's command is the sandbox's own user: the control takes the
+        # user namespace of a backend run by another user, where the command is root.
+        if backend.name == "local":
+            from legorl.sandbox import local_backend
+
+            monkeypatch.setattr(local_backend.os, "geteuid", lambda: 1000)
         agent = await _start(backend)
         try:
             control = await _probe(agent, judged=False)
@@ -534,20 +542,20 @@ def test_judged_commands_of_two_sandboxes_share_no_kernel_keyring(
         return
     # The control: the local backend's judged commands with a filter that allows every call.
     allow = seccomp.struct.pack("=HBBI", 0x06, 0, 0, seccomp.ALLOW).hex()
-    monkeypatch.setattr(local_backend, "_judged_filter", lambda: allow)
+    monkeypatch.setattr(local_backend, "_command_filter", lambda: allow)
     put, got = run(go())
     assert int(put[0]) > 0, put
     assert got[2].strip() == "the expected value", got
 
 
-def test_the_judged_filter_is_known_per_machine_and_refused_elsewhere() -> None:
+def test_the_command_filter_is_known_per_machine_and_refused_elsewhere() -> None:
     from legorl.sandbox import seccomp
 
     for machine in seccomp.ABIS:
-        program = seccomp.judged_filter(machine)
+        program = seccomp.command_filter(machine)
         assert len(program) % 8 == 0 and len(program) // 8 <= 48
     with pytest.raises(ValueError, match="riscv64"):
-        seccomp.judged_filter("riscv64")
+        seccomp.command_filter("riscv64")
 
 
 #: ``unshare`` of the namespaces a judged command could make, in a child (the parent carries on
@@ -594,7 +602,7 @@ def test_a_judged_command_makes_no_user_namespace(
         return
     # The control: the local backend's judged commands with a filter that allows every call.
     allow = seccomp.struct.pack("=HBBI", 0x06, 0, 0, seccomp.ALLOW).hex()
-    monkeypatch.setattr(local_backend, "_judged_filter", lambda: allow)
+    monkeypatch.setattr(local_backend, "_command_filter", lambda: allow)
     user, full, spawned = run(go())
     assert (int(user), int(full), spawned) == (0, 0, "42")
 

@@ -3,7 +3,12 @@ hidden tests. (Resource limits are attacked in test_sandbox_api.py.)"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import itertools
 import json
+import secrets
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -199,3 +204,179 @@ def test_the_relay_socket_leads_only_to_the_proxy(
             await box.close()
 
     run(go())
+
+
+def test_a_host_folder_the_sandbox_does_not_need_is_out_of_view(
+    backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Round 71 (local): the view held the host's /opt, where a local package mirror kept wheels
+    # of the real tasks' libraries at the fixed version: the gold fix, readable by the agent.
+    # A sandbox sees the host's system folders it runs on (/usr, /etc, the lib folders) and
+    # legorl's own layers, nothing else of the host.
+    from legorl.sandbox import local_backend
+
+    marker = Path("/srv") / f"legorl-test-{secrets.token_hex(4)}"
+    marker.mkdir(parents=True)
+    (marker / "fixed.py").write_text("the fix\n")
+
+    async def seen() -> str:
+        box = await backend.start(task(), str(TASKS_DIR), run_id=run_id())
+        try:
+            r = await box.exec(f"ls /opt; echo --; cat {marker}/fixed.py 2>&1; true")
+            return r.output
+        finally:
+            await box.close()
+
+    try:
+        out = run(seen())
+        assert "the fix" not in out, out
+        assert set(out.split()[: out.split().index("--")]) <= {
+            "legorl-env",
+            "legorl-runtime",
+        }, out
+        if backend.name != "local":
+            return
+        # The control: a view that binds the host's /srv as well shows the file.
+        monkeypatch.setattr(backend.config, "host_paths", (*local_backend.HOST_PATHS, "/srv"))
+        assert "the fix" in run(seen())
+    finally:
+        shutil.rmtree(marker)
+
+
+def test_a_link_left_in_home_takes_bwrap_nowhere_on_the_host(
+    local_backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Round 71 (local): bubblewrap runs as the host's root and makes the folders on the way to
+    # a read-only bind below HOME (the host's Python in /root/.pyenv). HOME persists between
+    # commands, so a command replaced ~/.pyenv by a link to a host folder, and the next
+    # command's bwrap made folders in the host's. Each folder directly below HOME, /tmp or the
+    # repository that leads to a bind is now a fresh tmpfs.
+    from legorl.sandbox import local_backend as lb
+
+    async def plant(target: Path) -> str:
+        box = await local_backend.start(task(), str(TASKS_DIR), run_id=run_id())
+        try:
+            flags = box._flags
+            below = [  # the folders made on the way to a bind below HOME
+                path
+                for kind, path in itertools.pairwise(flags)
+                if kind in ("--tmpfs", "--dir") and path.startswith("/root/")
+            ]
+            if not below:
+                pytest.skip("no bind below /root on this host (the host's Python lives elsewhere)")
+            first = "/" + "/".join(Path(below[0]).parts[1:3])  # e.g. /root/.pyenv
+            link = box.root / "home" / first.removeprefix("/root/")
+            if link.is_dir() and not link.is_symlink():
+                link.rmdir()  # the first command's bwrap made it (empty: a mount point)
+            link.symlink_to(f"/oldroot{target}")  # what a command can leave
+            r = await box.exec("true")
+            return f"exit {r.exit_code}: {r.output}"
+        finally:
+            await box.close()
+
+    with tempfile.TemporaryDirectory() as host:
+        target = Path(host)
+        run(plant(target))
+        assert list(target.iterdir()) == []
+        # The control: without the tmpfs (folders made where HOME's content leads), bwrap
+        # makes the folders in the host's.
+        monkeypatch.setattr(lb, "WRITABLE", ())
+        run(plant(target))
+        assert list(target.iterdir()) != []
+
+
+_ADD_KEY = r"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+nr = {"x86_64": 248, "aarch64": 217}[os.uname().machine]
+key = libc.syscall(nr, b"user", b"legorl-test", b"x", 1, -4)  # KEY_SPEC_USER_KEYRING
+print(key, ctypes.get_errno())
+if key > 0:  # the control's key: unlinked again, so the host's keyring keeps nothing
+    libc.syscall({"x86_64": 250, "aarch64": 219}[os.uname().machine], 9, key, -4)
+"""
+
+
+def test_an_agent_command_reaches_no_kernel_keyring(
+    backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Round 71 (local): an agent's command ran with no seccomp filter, as the host's root in a
+    # user namespace, and wrote keys into the host root's keyring, which the host and later
+    # sandboxes listed. Docker's default profile refuses the keyring calls; the local backend
+    # installs the judged commands' filter in every agent's command too: as the command
+    # becomes the sandbox's user (run by root), or through bwrap in the user namespace (run
+    # by another user; here the backend is told it is).
+    import errno
+
+    from legorl.sandbox import local_backend, seccomp
+
+    async def add_key() -> list[str]:
+        box = await backend.start(task(), str(TASKS_DIR), run_id=run_id())
+        try:
+            r = await box.exec(["python3", "-c", _ADD_KEY])
+            return r.output.split()
+        finally:
+            await box.close()
+
+    out = run(add_key())
+    assert (int(out[0]), int(out[1])) == (-1, errno.EPERM), out
+    if backend.name != "local":
+        return
+    monkeypatch.setattr(local_backend.os, "geteuid", lambda: 1000)
+    out = run(add_key())
+    assert (int(out[0]), int(out[1])) == (-1, errno.EPERM), out
+    # The controls: the same commands with a filter that allows every call.
+    allow = seccomp.struct.pack("=HBBI", 0x06, 0, 0, seccomp.ALLOW).hex()
+    monkeypatch.setattr(local_backend, "_command_filter", lambda: allow)
+    assert int(run(add_key())[0]) > 0
+    monkeypatch.undo()
+    monkeypatch.setattr(local_backend, "_command_filter", lambda: allow)
+    assert int(run(add_key())[0]) > 0
+
+
+def test_an_agent_command_run_by_root_is_not_the_host_s_root(
+    local_backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Round 71 (local): run by root, an agent's command was root in a user namespace that
+    # maps it onto the host's root: it read the host's root-only files in the view
+    # (/etc/shadow, the Docker daemon's key), and held inotify instances the host's root
+    # draws on too (all 128 of them: the host could not watch a file). It now runs as the
+    # sandbox's own user, as a judged command does; it is still root of nothing else.
+    import os
+
+    from legorl.sandbox import local_backend as lb
+
+    if os.geteuid() != 0:
+        pytest.skip("run by another user, the namespace maps the sandbox's root onto that user")
+    mark = f"legorl-{secrets.token_hex(4)}"
+
+    async def seen() -> tuple[str, int]:
+        box = await local_backend.start(task(), str(TASKS_DIR), run_id=run_id())
+        try:
+            held = asyncio.ensure_future(
+                box.exec(
+                    f"id -un; head -c 4 /etc/shadow 2>&1; exec bash -c 'exec -a {mark} sleep 5'"
+                )
+            )
+            host_uid = -1
+            for _ in range(100):  # the command's process, as the host sees it
+                await asyncio.sleep(0.1)
+                for proc in Path("/proc").iterdir():
+                    with contextlib.suppress(OSError):
+                        if (proc / "cmdline").read_bytes().startswith(mark.encode()):
+                            status = (proc / "status").read_text()
+                            host_uid = int(status.split("\nUid:")[1].split()[0])
+                if host_uid >= 0:
+                    break
+            return (await held).output, host_uid
+        finally:
+            await box.close()
+
+    out, host_uid = run(seen())
+    assert host_uid > 0 and out.split()[0] == lb.AGENT_USER, (out, host_uid)
+    assert "Permission denied" in out, out
+    # The control: the user namespace a backend run by another user takes, run by root.
+    monkeypatch.setattr(lb.os, "geteuid", lambda: 1000)
+    out, host_uid = run(seen())
+    assert host_uid == 0 and out.split()[0] == "root", (out, host_uid)
+    assert "Permission denied" not in out, out

@@ -6,7 +6,7 @@
     await box.close()
 
 Each sandbox is a private copy of the instance repository at /testbed, a private /tmp and
-HOME (/root), and a read-only view of the host's system folders (``/usr``, ``/etc``, ``/opt``
+HOME (/root), and a read-only view of the host's system folders (``/usr``, ``/etc``, the lib folders
 and the Python the env layer runs on), never the user's home, the task files or the cache.
 A grading sandbox's judged commands see none of those: their root is a copy on tmpfs of what
 a test run needs (``memory_root.py``), through overlays of the sandbox's own (``view.py``), so
@@ -82,18 +82,33 @@ from legorl.sandbox.view import View, mount_view
 
 
 @functools.cache
-def _judged_filter() -> str:
-    """The judged commands' seccomp filter for this machine, in hex (`seccomp.py`)."""
+def _command_filter() -> str:
+    """The commands' seccomp filter for this machine, in hex (`seccomp.py`)."""
     try:
-        return seccomp.judged_filter(os.uname().machine).hex()
+        return seccomp.command_filter(os.uname().machine).hex()
     except ValueError as exc:
-        raise SandboxError(f"the local backend cannot confine a judged command: {exc}") from None
+        raise SandboxError(f"the local backend cannot confine a command: {exc}") from None
+
+
+def _filter_fd() -> int:
+    """A file holding the filter's program, for bubblewrap's ``--seccomp FD`` (read once: one
+    file per command)."""
+    fd = os.memfd_create("legorl-seccomp", os.MFD_CLOEXEC)
+    os.write(fd, bytes.fromhex(_command_filter()))
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
 
 
 #: Host folders every sandbox sees read-only (merged-/usr symlinks are recreated as links).
-HOST_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
+HOST_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+#: The name of the sandbox's own user, as an agent's commands see it (run by root).
+AGENT_USER = "agent"
+#: The sandbox's folders its commands write and keep between commands (HOME, /tmp, the
+#: repository): bwrap, which runs as the host's root, never makes a folder inside one.
+WRITABLE = ("/root", "/tmp", WORKDIR)
 
-#: How a judged command becomes the judged user, run by the host's Python (``-I -S``: nothing
+#: How a command becomes the sandbox's user (a judged command always; run by root, an agent's
+#: too), run by the host's Python (``-I -S``: nothing
 #: from the repository or the environment is read) as root in a bubblewrap without a user
 #: namespace, holding only CAP_SETUID, CAP_SETGID and CAP_SETPCAP: the bounding set emptied,
 #: groups dropped, uid and gid set (which clears the permitted, effective and ambient sets),
@@ -371,12 +386,6 @@ def _host_view(paths: tuple[str, ...]) -> list[str]:
         p = Path(path)
         if p.is_symlink():
             args += ["--symlink", os.readlink(p), path]
-        elif p.is_dir() and path == "/opt":
-            # Bound child by child so /opt/legorl-env and /opt/legorl-runtime can be added.
-            args += ["--tmpfs", "/opt"]
-            for child in sorted(p.iterdir()):
-                if child.name not in ("legorl-env", "legorl-runtime"):
-                    args += ["--ro-bind", str(child), str(child)]
         elif p.is_dir():
             args += ["--ro-bind", path, path]
     return args
@@ -399,20 +408,55 @@ def _tree_view(tree: Path, view: View, prefix: str, mounts: list[str]) -> list[s
             args += view.ro_bind(str(entry), f"/{entry.name}")
     args += mounts
     if prefix.strip("/").split("/")[0] in below:
-        args += [*_parents(prefix, ()), *view.ro_bind(str(tree / prefix.lstrip("/")), prefix)]
+        args += _ro_binds([(str(tree / prefix.lstrip("/")), prefix)], (), view.ro_bind)
     return args
 
 
-def _parents(path: str, host_paths: tuple[str, ...]) -> list[str]:
-    """``--dir`` (mode 0755) for the folders between a sandbox mount (/root, /tmp) and
-    ``path``, unless a host folder bound read-only already holds them."""
-    if any(path == h or path.startswith(h.rstrip("/") + "/") for h in host_paths):
-        return []
-    parts = Path(path).parts[1:-1]
-    out: list[str] = []
-    for i in range(2, len(parts) + 1):
-        out += ["--perms", "0755", "--dir", "/" + "/".join(parts[:i])]
-    return out
+def _ro_binds(
+    binds: list[tuple[str, str]],
+    host_paths: tuple[str, ...],
+    bind: Callable[[str, str], list[str]] = lambda source, dest: ["--ro-bind", source, dest],
+) -> list[str]:
+    """bwrap arguments binding each ``(source, destination)`` read-only, after the sandbox's
+    own folders are mounted, with the folders on the way made here (mode 0755: bwrap makes
+    them 0700, which would keep a judged user from a Python below /root).
+
+    A folder directly below one the sandbox writes and keeps (``WRITABLE``) is a fresh tmpfs,
+    and the rest are made on it: bwrap runs as the host's root and follows links, so a folder
+    it made inside HOME would follow whatever a command left there (round 71: ``~/.pyenv``
+    replaced by a link to a host folder, and the next command's bwrap made folders in the
+    host's). A destination inside a host folder the view binds is already there."""
+    args: list[str] = []
+    made: set[str] = set()
+    for source, dest in binds:
+        if not any(dest == h or dest.startswith(h.rstrip("/") + "/") for h in host_paths):
+            parts = Path(dest).parts[1:-1]
+            for i in range(1, len(parts) + 1):
+                folder = "/" + "/".join(parts[:i])
+                if folder in WRITABLE or folder in made:
+                    continue
+                made.add(folder)
+                kind = "--tmpfs" if str(Path(folder).parent) in WRITABLE else "--dir"
+                args += ["--perms", "0755", kind, folder]
+        args += bind(source, dest)
+    return args
+
+
+def _give_to_user(root: Path, uid: int) -> None:
+    """A sandbox's folders (its repository, /tmp and HOME) made over to its own user, and the
+    /etc/passwd and /etc/group its commands see: the host's, with that user added."""
+    for folder in ("repo", "tmp", "home"):
+        os.lchown(root / folder, uid, uid)
+    for top, dirs, files in os.walk(root / "repo"):
+        for name in dirs + files:
+            os.lchown(os.path.join(top, name), uid, uid)
+    (root / "etc").mkdir()
+    for name, line in (
+        ("passwd", f"{AGENT_USER}:x:{uid}:{uid}::/root:/bin/sh\n"),
+        ("group", f"{AGENT_USER}:x:{uid}:\n"),
+    ):
+        text = Path(f"/etc/{name}").read_text(errors="replace")
+        (root / "etc" / name).write_text(text + ("" if text.endswith("\n") else "\n") + line)
 
 
 def _cap_args(caps: tuple[str, ...]) -> list[str]:
@@ -484,6 +528,15 @@ class LocalSandbox:
             "--cap-drop", "ALL",
         ]  # fmt: skip
         self._judged_head = [*no_userns, *_cap_args(("SETUID", "SETGID", "SETPCAP"))]
+        #: Run by root, an agent's command runs as the sandbox's own user too, as a judged one
+        #: does: in bwrap's user namespace its root would be the host's root, the owner of every
+        #: root-only file of the view (round 71: /etc/shadow, the Docker daemon's key) and the
+        #: user whose per-user kernel counts (inotify instances) the host's own processes draw
+        #: on. Run by another user, the user namespace maps root onto that user.
+        self._as_user = not grading and os.geteuid() == 0
+        if self._as_user:
+            self._head = self._judged_head
+            _give_to_user(root, self.judged_uid)
         if grading:
             # Root's own grading steps, as on Docker: the host's root with GRADING_CAPS (in a
             # user namespace it could neither chown nor write the judged user's files).
@@ -494,27 +547,23 @@ class LocalSandbox:
         flags = [
             "--hostname", "sandbox",
             *_host_view(backend.config.host_paths),
-            "--ro-bind", str(env_dir), ENV_DIR,
             "--proc", "/proc",
             "--dev", "/dev",
             "--bind", str(root / "tmp"), "/tmp",
             *home,
             "--bind", str(root / "repo"), WORKDIR,
-            # After /root and /tmp: the host's Python (pyenv) may live below either; the
-            # folders bwrap makes on the way are 0700 unless made here, which would keep the
-            # judged user from the Python.
-            *_parents(python_prefix, backend.config.host_paths),
-            "--ro-bind", python_prefix, python_prefix,
         ]  # fmt: skip
+        # After /root and /tmp: the host's Python (pyenv) may live below either.
+        binds = [(str(env_dir), ENV_DIR), (python_prefix, python_prefix)]
         if runtime is not None:
-            layout, binds = runtime
-            flags += ["--ro-bind", str(layout / "root"), RUNTIME_DIR]
-            for host_path in binds:
-                flags += ["--ro-bind", str(host_path), str(host_path)]
+            layout, host_paths = runtime
+            binds += [(str(layout / "root"), RUNTIME_DIR)]
+            binds += [(str(path), str(path)) for path in host_paths]
         if relay is not None:
-            flags += ["--ro-bind", str(root / "run"), RELAY_DIR]
-        if "/opt" in backend.config.host_paths:
-            flags += ["--remount-ro", "/opt"]
+            binds += [(str(root / "run"), RELAY_DIR)]
+        if self._as_user:  # its name, for the tools that look it up (git, Node, getpass)
+            binds += [(str(root / "etc" / name), f"/etc/{name}") for name in ("passwd", "group")]
+        flags += _ro_binds(binds, backend.config.host_paths)
         self._flags = flags
         #: A grading sandbox's judged commands see the host's files only as copied to tmpfs
         #: (`memory_root.host_files`), each folder through an overlay of the sandbox's own:
@@ -543,6 +592,7 @@ class LocalSandbox:
         cwd: str | None,
         extra: tuple[str, ...] = (),
         judged: bool = False,
+        filter_fd: int | None = None,
     ) -> list[str]:
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         if self._port is not None:
@@ -550,14 +600,16 @@ class LocalSandbox:
             start = f'{py} {RELAY_DIR}/forwarder.py {self._port} {RELAY_DIR}/proxy.sock --daemon && exec "$@"'
             argv = ["/bin/sh", "-c", start, "sh", *argv]
         head = self._head
-        if judged:
+        if judged or self._as_user:
             head = self._judged_head
             become = [
                 self._interpreter, "-I", "-S", "-c", _BECOME_JUDGED, str(self.judged_uid),
-                _judged_filter(),
+                _command_filter(),
             ]  # fmt: skip
             argv = [*become, *argv]
         flags = self._judged_flags if judged else self._flags
+        if filter_fd is not None:  # a command that becomes a user installs it itself
+            extra = (*extra, "--seccomp", str(filter_fd))
         full = [*head, *flags, *extra, *self._last, "--chdir", cwd or WORKDIR, "--", *argv]
         prelude = []
         if self.grading:  # soft and hard: nothing inside can raise it again
@@ -634,19 +686,26 @@ class LocalSandbox:
         cap = OutputCap(self.limits.output_bytes if output_limit is None else output_limit)
         before = self.cgroup.counters() if self.cgroup else None
         started = time.monotonic()
+        # Every command that runs the agent's or the patch's code is filtered; root's own
+        # grading steps run neither.
+        filter_fd = None if judged or self._as_user or self.grading else _filter_fd()
         try:
             proc = await asyncio.create_subprocess_exec(
-                *self._argv(cmd, cwd, extra_flags, judged),
+                *self._argv(cmd, cwd, extra_flags, judged, filter_fd),
                 stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 env={**self._env, **(env or {}), **private},
                 start_new_session=True,
+                pass_fds=() if filter_fd is None else (filter_fd,),
             )
         except FileNotFoundError:
             raise SandboxError(
                 f"bubblewrap ({self.backend.config.bwrap}) is not installed (apt-get install bubblewrap)"
             ) from None
+        finally:
+            if filter_fd is not None:
+                os.close(filter_fd)
 
         async def pump() -> None:
             assert proc.stdout is not None
@@ -734,6 +793,8 @@ class LocalSandbox:
         a throw-away index and object store; the patch is read from a file, not a stream."""
         work = self.root / f"diff-{secrets.token_hex(4)}"
         work.mkdir()
+        if self._as_user:
+            os.lchown(work, self.judged_uid, self.judged_uid)
         inside = "/run/legorl-diff"
         pristine = "/run/legorl-pristine.git"
         req = {
@@ -757,6 +818,7 @@ class LocalSandbox:
                 timeout=300,
                 cwd="/",
                 extra_flags=(
+                    *("--perms", "0755", "--dir", "/run"),  # bwrap's own would be 0700
                     "--ro-bind",
                     str(self._pristine_git),
                     pristine,

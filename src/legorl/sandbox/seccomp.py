@@ -1,12 +1,14 @@
-"""The seccomp filter of the local backend's judged commands: what Docker's default profile
-refuses a process without capabilities, and which would reach kernel state beyond the sandbox,
-is refused here too; every other call is allowed.
+"""The seccomp filter of every command the local backend runs with the agent's or the patch's
+code (an agent's, a judged one's; root's own grading steps run neither): what Docker's default profile refuses a process without capabilities, and
+which would reach kernel state beyond the sandbox, is refused here too; every other call is
+allowed.
 
 - **The kernel keyring** (``add_key``, ``request_key``, ``keyctl``: EPERM). No namespace
   bubblewrap makes can separate it: every process of one uid reaches that uid's user keyring,
   across sandboxes, and its keys outlive them. Round 41: the two runs of one grading ran as the
   same judged user, and the ordinary run, which holds the tests as written, handed the judged
-  run their expected values through it.
+  run their expected values through it. Round 71: an agent's command, whose root is the host's
+  root, wrote keys into the host root's keyring that the host and later sandboxes listed.
 - **New user namespaces** (``unshare`` and ``clone`` with ``CLONE_NEWUSER``: EPERM; ``clone3``,
   whose flags a filter cannot read: ENOSYS, so that the C library falls back to ``clone``).
   Inside one, the judged user holds every capability over namespaces of its own: it can mount,
@@ -16,9 +18,12 @@ is refused here too; every other call is allowed.
   ``CAP_SYS_ADMIN``, which the judged user does not have.
 
 A judged command installs the filter as the last step before it becomes the command
-(``local_backend``'s ``_BECOME_JUDGED``): it cannot be removed, and every child inherits it.
+(``local_backend``'s ``_BECOME_JUDGED``), and so does an agent's command run by root;
+run by another user, bubblewrap installs it (``--seccomp``) after it made the sandbox's user
+namespace. It cannot be removed, and every child
+inherits it.
 
-    program = judged_filter("x86_64")   # bytes: classic BPF, one 8-byte instruction each
+    program = command_filter("x86_64")   # bytes: classic BPF, one 8-byte instruction each
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ ABIS: dict[str, list[Abi]] = {
 _Insn = tuple[int, "int | str", "int | str", int]  # code, jump if true, jump if false, k
 
 
-def judged_filter(machine: str) -> bytes:
+def command_filter(machine: str) -> bytes:
     """The filter for ``machine`` (``os.uname().machine``) as the bytes of its instructions.
     ValueError for a machine whose call numbers are not known here."""
     abis = ABIS.get(machine)
