@@ -163,6 +163,25 @@ def test_admin_routes_need_the_admin_token(tmp_path: Path) -> None:
         assert _post(url, f"{route}/v1/chat/completions", _body()).status_code == 200
 
 
+def test_health_counts_every_session_s_calls_for_the_admin_only(tmp_path: Path) -> None:
+    # Round 71: /healthz answers whoever reaches the proxy, a sandbox included, and its counts
+    # of sessions, calls and errors moved with every sandbox's calls: one sandbox's 500 bad
+    # calls, read by another, a channel between them.
+    with running_proxy(tmp_path, OK, admin_token="admin-secret") as proxy:
+        url = proxy.url
+        route = _open(url, "run.0")
+        for path in ("/healthz", f"{route}/healthz"):
+            health = httpx.get(f"{url}{path}").json()
+            assert health["status"] == "ok" and health["open_sessions"] is not None
+            assert not {"sessions", "requests", "errors"} & set(health), health
+        admin = {"authorization": "Bearer admin-secret"}
+        health = httpx.get(f"{url}/healthz", headers=admin).json()
+        assert health["sessions"] == 1 and health["requests"] >= 3, health
+    # The control: a proxy with no admin token (no capability session) counts for anyone.
+    with running_proxy(tmp_path / "open", OK) as proxy:
+        assert "requests" in httpx.get(f"{proxy.url}/healthz").json()
+
+
 def test_the_main_system_prompt_is_bound_at_open_or_by_the_first_own_call(
     tmp_path: Path,
 ) -> None:

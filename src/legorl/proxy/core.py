@@ -222,7 +222,7 @@ class ProxyCore:
             if rest == "/" and method in ("HEAD", "GET"):
                 return Response(200, b"" if method == "HEAD" else b'{"legorl": "proxy"}')
             if rest == "/healthz" and method == "GET":
-                return self._json(200, self.health())
+                return self._json(200, self.health(counts=self._admin_asks(headers, open_=True)))
             if rest.startswith("/admin/"):
                 return await self._admin(method, rest, headers, body)
             if method == "GET" and rest in ("/v1/models", "/models"):
@@ -270,16 +270,27 @@ class ProxyCore:
 
     # ---- routes -------------------------------------------------------------------------
 
-    def health(self) -> dict[str, Any]:
-        return {
+    def health(self, *, counts: bool = True) -> dict[str, Any]:
+        """The proxy's state; with ``counts``, its sessions and calls too: a sandbox reaches
+        /healthz, and the counts of every session's calls are a channel between sandboxes
+        (round 71: one sandbox's 500 bad calls read by another), so over HTTP they go to the
+        admin only (to anyone where no admin token is set: no capability session then)."""
+        out = {
             "status": "ok",
             "model": self.served_name,
             "engine": self.engine.name,
             "policy_version": self.engine.policy_version,
-            "sessions": len(self.sessions),
             "open_sessions": self.config.open_sessions,
-            **self.stats,
         }
+        return {**out, "sessions": len(self.sessions), **self.stats} if counts else out
+
+    def _admin_asks(self, headers: Mapping[str, str], *, open_: bool = False) -> bool:
+        """The request carries the admin token (``open_``: or no admin token is set)."""
+        token = self.config.admin_token
+        if token is None:
+            return open_
+        given = headers.get("authorization", "").encode()
+        return secrets.compare_digest(given, f"Bearer {token}".encode())
 
     def _models(self) -> dict[str, Any]:
         # One body both OpenAI and Anthropic clients accept for listing models.
@@ -337,9 +348,7 @@ class ProxyCore:
     async def _admin(
         self, method: str, rest: str, headers: Mapping[str, str], body: bytes
     ) -> Response:
-        token = self.config.admin_token
-        given = headers.get("authorization", "").encode()
-        if token is None or not secrets.compare_digest(given, f"Bearer {token}".encode()):
+        if not self._admin_asks(headers):
             raise ApiError(401, "admin routes need the admin token", kind="authentication_error")
         data = _json_object(body) if body else {}
         if method == "POST" and rest == "/admin/weights":
