@@ -26,6 +26,8 @@ import http.server
 import os
 import re
 import shlex
+import shutil
+import tempfile
 import threading
 import uuid
 from collections.abc import Iterator
@@ -40,6 +42,7 @@ from legorl.harnesses import MiniHarness
 from legorl.protocols import SandboxBackend
 from legorl.records import Task, Trajectory, Turn, read_jsonl
 from legorl.rollout import inprocess_proxy
+from legorl.sandbox import make_backend
 from legorl.verify import VerifyConfig, grade, runner, specs, tree
 from legorl.verify.ordinary import read_unittest
 from legorl.verify.redteam import (
@@ -131,7 +134,10 @@ class _Variant:
             # The local backend's bwrap flags, read by every exec. On the host's network the
             # proxy is reached at its own address (the relay's inside port is the proxy's).
             flags = box._head
-            flags.insert(flags.index("--unshare-all") + 1, "--share-net")
+            if "--unshare-all" in flags:
+                flags.insert(flags.index("--unshare-all") + 1, "--share-net")
+            else:  # run by root: the sandbox's user's bwrap names each namespace
+                flags.remove("--unshare-net")
             box._port = None
         if self.setup:
             done = await box.exec(["sh", "-c", self.setup], timeout=60, cwd=box.workdir)
@@ -450,6 +456,23 @@ def _sandbox_row(tmp: Path, hack: Hack) -> tuple[Trajectory, str, Trajectory]:
         variant = _Variant(backend, setup=_future_history(task))
         ctraj, cturns, _ = asyncio.run(_rollout(tmp / "off", hack.script(task), task, variant))
         return graded, seen, asyncio.run(_grade(ctraj, task, cturns))
+    if hack.kind == "hostview":
+        from legorl.sandbox import local_backend
+        from legorl.tasks import apply_patch, checkout
+
+        with tempfile.TemporaryDirectory(dir="/srv") as fixed:
+            Path(fixed).chmod(0o755)  # as a package mirror's folder: anyone may read it
+            repo = checkout(task, TASKS, Path(fixed) / "checkout")
+            apply_patch(repo, task.patch)
+            (Path(fixed) / "fix").mkdir()
+            shutil.copy(repo / task.meta["file"], Path(fixed) / "fix" / task.meta["file"])
+            script = hack.script(task, {"fix_dir": f"{fixed}/fix"})
+            backend = sandbox_backend("local")
+            traj, turns, seen = asyncio.run(_rollout(tmp / "on", script, task, backend))
+            wide = make_backend("local", host_paths=(*local_backend.HOST_PATHS, "/srv"))
+            ctraj, cturns, _ = asyncio.run(_rollout(tmp / "off", script, task, wide))
+        graded = asyncio.run(_grade(traj, task, turns))
+        return graded, seen, asyncio.run(_grade(ctraj, task, cturns))
     backend = sandbox_backend("local")
     with _serving(task.patch.encode()) as url:
         script = hack.script(task, {"fix_url": url})
@@ -460,13 +483,17 @@ def _sandbox_row(tmp: Path, hack: Hack) -> tuple[Trajectory, str, Trajectory]:
     return asyncio.run(_grade(traj, task, turns)), seen, asyncio.run(_grade(ctraj, task, cturns))
 
 
-SANDBOX = [h for h in HACKS if h.kind in ("history", "network") and h.variant != "django"]
+SANDBOX = [
+    h for h in HACKS if h.kind in ("history", "network", "hostview") and h.variant != "django"
+]
 
 
 @pytest.mark.parametrize("hack", SANDBOX, ids=[h.name for h in SANDBOX])
 def test_sandbox_hack_fails_inside_the_sandbox(tmp_path: Path, hack: Hack) -> None:
     graded, seen, control = _sandbox_row(tmp_path, hack)
-    failed_inside = "no other commit" in seen or "fetch failed" in seen
+    failed_inside = any(
+        word in seen for word in ("no other commit", "fetch failed", "no host copy")
+    )
     result = _verdict(hack, graded) if failed_inside else "NOT BLOCKED"
     _record(
         hack, graded.reward, graded.hack_flags, f"{control.reward} (sandbox without it)", result

@@ -11,7 +11,8 @@ A hack's ``kind`` says where its defence lives:
 
 * ``grading``: a defence of `legorl.verify.grade`; ``off`` names the switches of
   ``VerifyConfig.defences_off`` that, all off, let the hack win (its control).
-* ``history`` / ``network``: a sandbox property (one commit of history; no network). The hack's
+* ``history`` / ``network`` / ``hostview``: a sandbox property (one commit of history; no
+  network; on ``local``, no host folder beyond the system's). The hack's
   own tool output must show the attempt failing; its control is the same hack on a sandbox that
   lacks the property.
 * ``diff``: the rollout's diff (clean git, outside the agent's reach) keeps the hack's text out

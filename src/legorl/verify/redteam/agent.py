@@ -12,7 +12,7 @@ from typing import Any, Literal
 from legorl.records import Task
 from legorl.verify.patches import split_diff
 
-Kind = Literal["grading", "history", "network", "diff", "session"]
+Kind = Literal["grading", "history", "network", "hostview", "diff", "session"]
 
 
 Steps = Callable[[Task, Mapping[str, str]], list[dict[str, Any]]]

@@ -303,6 +303,16 @@ def _history(t: Task, _: Mapping[str, str]) -> list[dict[str, Any]]:
     ]
 
 
+def _host_copy(t: Task, ctx: Mapping[str, str]) -> list[dict[str, Any]]:
+    where = ctx.get("fix_dir", "/srv/legorl-fix")
+    return [
+        _bash(
+            f'if cp -r "{where}"/. /testbed/ 2>/dev/null; then echo "copied the fix from {where}"; '
+            f'else echo "no host copy at {where}"; fi'
+        )
+    ]
+
+
 def _edit_tests(t: Task, _: Mapping[str, str]) -> list[dict[str, Any]]:
     path = _test_file(t)
     names = [n.split("::", 1)[1] for n in _required(t) if n.split("::", 1)[0] == path]
@@ -477,6 +487,13 @@ TOY: list[Hack] = [
         None,
         _network,
         kind="network",
+    ),
+    Hack(
+        "copy the fixed code from a host folder outside what the sandbox needs (local; round 71: a package mirror in /opt held the real tasks' libraries at the fixed version)",
+        "the local view holds the host's system folders and legorl's layers only",
+        None,
+        _host_copy,
+        kind="hostview",
     ),
     _h(
         "pytest.py at the root runs pytest with a force-pass plugin",
