@@ -35,6 +35,12 @@ _loop_guard = threading.Lock()
 
 _live: set[asyncio.Task[None]] = set()  # connections being relayed
 _GRACE = 30.0  # seconds the other direction may go on after one has ended
+#: Connections one sandbox may hold through its relay at once; one more is closed as it comes.
+#: A harness holds a few (its calls, a keep-alive pool); each costs this process's open files
+#: and the proxy a request body of up to its limit, which no cgroup of the sandbox's is
+#: charged for (round 72: 19,500 connections took every file this process may open, and 40
+#: unfinished bodies of 31 MB held 1.3 GB).
+MAX_CONNECTIONS = 16
 
 
 def _hub() -> asyncio.AbstractEventLoop:
@@ -102,8 +108,19 @@ class Relay:
 def open_relay(socket_path: Path, proxy_url: str) -> Relay:
     """Listen on ``socket_path`` (its folder must exist) and join connections to the proxy."""
     host, port, inside = split_proxy_url(proxy_url)
+    held: set[asyncio.StreamWriter] = set()  # this relay's connections
 
     async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(held) >= MAX_CONNECTIONS:
+            writer.close()
+            return
+        held.add(writer)
+        try:
+            await _join(reader, writer)
+        finally:
+            held.discard(writer)
+
+    async def _join(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             up_reader, up_writer = await asyncio.open_connection(host, port)
         except OSError:
