@@ -20,6 +20,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -177,9 +178,54 @@ def test_health_counts_every_session_s_calls_for_the_admin_only(tmp_path: Path) 
         admin = {"authorization": "Bearer admin-secret"}
         health = httpx.get(f"{url}/healthz", headers=admin).json()
         assert health["sessions"] == 1 and health["requests"] >= 3, health
-    # The control: a proxy with no admin token (no capability session) counts for anyone.
+    # Round 72: a rollout's in-process proxy has capability sessions and no admin token.
+    with running_proxy(tmp_path / "inprocess", OK, open_sessions=False) as proxy:
+        health = httpx.get(f"{proxy.url}/healthz").json()
+        assert health["open_sessions"] is False and "requests" not in health, health
+    # The control: a proxy whose sessions are open (named by the client) counts for anyone.
     with running_proxy(tmp_path / "open", OK) as proxy:
         assert "requests" in httpx.get(f"{proxy.url}/healthz").json()
+
+
+def test_a_long_prompt_is_encoded_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Round 72: the proxy encoded a call's prompt on its event loop; one sandbox's 30 MB
+    # prompt held it 79 s, during which no other session's call and no sandbox's relayed
+    # byte moved (another sandbox's command was recorded as a timeout). It is encoded in a
+    # worker thread now, by the tokenizer's call that lets go of the GIL.
+    import threading
+    import time
+
+    from legorl.proxy import core
+
+    def answered_first(tmp: Path) -> tuple[int, int]:
+        """(long calls answered when a health check sent during the long one is answered,
+        the long call's status)."""
+        status: list[int] = []
+        with running_proxy(tmp, OK, engine_max_context=4096) as proxy:
+            url = proxy.url
+            big = _body(system="agent " * 400_000)  # about 2.4 MB, over the context once encoded
+
+            def long_call() -> None:
+                status.append(_post(url, "/s/a/v1/chat/completions", big).status_code)
+
+            thread = threading.Thread(target=long_call)
+            thread.start()
+            time.sleep(0.5)  # the long call is being encoded
+            assert httpx.get(f"{url}/healthz", timeout=300).status_code == 200
+            errors = proxy.core.stats["errors"]  # the long call's refusal counts as one
+            thread.join(300)
+        return errors, status[0]
+
+    assert answered_first(tmp_path / "thread") == (0, 400)
+
+    # The control: encoded on the event loop, the health check waits for the long call.
+    async def inline(fn: Any, *args: Any) -> Any:
+        return fn(*args)
+
+    monkeypatch.setattr(core.asyncio, "to_thread", inline)
+    assert answered_first(tmp_path / "loop") == (1, 400)
 
 
 def test_the_main_system_prompt_is_bound_at_open_or_by_the_first_own_call(

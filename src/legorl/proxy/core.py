@@ -222,7 +222,10 @@ class ProxyCore:
             if rest == "/" and method in ("HEAD", "GET"):
                 return Response(200, b"" if method == "HEAD" else b'{"legorl": "proxy"}')
             if rest == "/healthz" and method == "GET":
-                return self._json(200, self.health(counts=self._admin_asks(headers, open_=True)))
+                # The counts of every session's calls: the admin's, or anyone's where no
+                # session is a capability (open sessions, no admin token).
+                anyone = self.config.open_sessions and self.config.admin_token is None
+                return self._json(200, self.health(counts=anyone or self._admin_asks(headers)))
             if rest.startswith("/admin/"):
                 return await self._admin(method, rest, headers, body)
             if method == "GET" and rest in ("/v1/models", "/models"):
@@ -244,7 +247,7 @@ class ProxyCore:
             if gemini is not None:
                 return await self._gemini(gemini["model"], gemini["method"], query, session, body)
             if endpoint is None:
-                return self._count_tokens(body)
+                return await asyncio.to_thread(self._count_tokens, body)
             return await self._chat(session, WIRES[endpoint].parse_request(body))
         except ApiError as err:
             if self.config.log_errors:
@@ -273,8 +276,9 @@ class ProxyCore:
     def health(self, *, counts: bool = True) -> dict[str, Any]:
         """The proxy's state; with ``counts``, its sessions and calls too: a sandbox reaches
         /healthz, and the counts of every session's calls are a channel between sandboxes
-        (round 71: one sandbox's 500 bad calls read by another), so over HTTP they go to the
-        admin only (to anyone where no admin token is set: no capability session then)."""
+        (round 71: one sandbox's 500 bad calls read by another; round 72: the same through a
+        rollout's in-process proxy, which has capability sessions and no admin token), so
+        over HTTP they go to the admin only, or to anyone where sessions are open."""
         out = {
             "status": "ok",
             "model": self.served_name,
@@ -284,11 +288,11 @@ class ProxyCore:
         }
         return {**out, "sessions": len(self.sessions), **self.stats} if counts else out
 
-    def _admin_asks(self, headers: Mapping[str, str], *, open_: bool = False) -> bool:
-        """The request carries the admin token (``open_``: or no admin token is set)."""
+    def _admin_asks(self, headers: Mapping[str, str]) -> bool:
+        """The request carries the admin token (never where none is set)."""
         token = self.config.admin_token
         if token is None:
-            return open_
+            return False
         given = headers.get("authorization", "").encode()
         return secrets.compare_digest(given, f"Bearer {token}".encode())
 
@@ -474,7 +478,8 @@ class ProxyCore:
 
         if method == "countTokens":
             req = gemini.count_tokens_request(body, model=model)
-            return Response(200, gemini.count_tokens_body(self.tok.count(req.messages, req.tools)))
+            n = await asyncio.to_thread(self.tok.count, req.messages, req.tools)
+            return Response(200, gemini.count_tokens_body(n))
         sse = "alt=sse" in query.split("&")
         req = gemini.parse_request(body, model=model, stream=method != "generateContent" and sse)
         if method == "streamGenerateContent" and not sse:
@@ -499,7 +504,9 @@ class ProxyCore:
             spent = self._spent.setdefault(session.id, _Spent())
             self._check_budget(spent)
             t0 = time.perf_counter()
-            plan = session.plan(req)
+            # Off the event loop: a long prompt takes seconds to encode, and every other
+            # session's calls and sandboxes' commands go on meanwhile (round 72).
+            plan = await asyncio.to_thread(session.plan, req)
             build_s = time.perf_counter() - t0
             prompt = plan.prompt_ids
             limit = self.engine.max_context

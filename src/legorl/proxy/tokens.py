@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
 from functools import cached_property
 from pathlib import Path
@@ -84,6 +85,7 @@ class ChatTokenizer:
             + ")"
         )
         self._piece_cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._cache_lock = threading.Lock()  # the proxy encodes in worker threads
         self._template = self._compile(template)
         eos_text = self.tokenizer.id_to_token(self.eos_id)
         if eos_text is None:
@@ -134,9 +136,18 @@ class ChatTokenizer:
             )
         )
 
+    def _encode(self, text: str) -> list[int]:
+        """The tokenizer's ids of ``text``. A long text goes through ``encode_batch``, which
+        lets go of the GIL while it runs: the proxy encodes in worker threads, and a prompt of
+        megabytes must not hold its event loop (round 72: 30 MB held it 79 s, and another
+        sandbox's command timed out)."""
+        if len(text) < 1024:
+            return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        return list(self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
+
     def encode(self, text: str) -> list[int]:
         if not self._pieces_exact or len(text) < 2048:
-            return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+            return self._encode(text)
         out: list[int] = []
         cache = self._piece_cache
         for piece in self._split.split(text):
@@ -147,16 +158,18 @@ class ChatTokenizer:
                 out.append(special)
                 continue
             if len(piece) < 1024:
-                out.extend(self.tokenizer.encode(piece, add_special_tokens=False).ids)
+                out.extend(self._encode(piece))
                 continue
-            ids = cache.get(piece)
+            with self._cache_lock:
+                ids = cache.get(piece)
+                if ids is not None:
+                    cache.move_to_end(piece)
             if ids is None:
-                ids = list(self.tokenizer.encode(piece, add_special_tokens=False).ids)
-                cache[piece] = ids
-                if len(cache) > 64:
-                    cache.popitem(last=False)
-            else:
-                cache.move_to_end(piece)
+                ids = self._encode(piece)
+                with self._cache_lock:
+                    cache[piece] = ids
+                    if len(cache) > 64:
+                        cache.popitem(last=False)
             out.extend(ids)
         return out
 
@@ -179,7 +192,7 @@ class ChatTokenizer:
             [t.template_dict() for t in tools],
             add_generation_prompt=False,
         )
-        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        return len(self._encode(text))
 
     def _split_after_anchor(self, text: str) -> int:
         """Where the anchor assistant turn's end-of-turn token ends in ``text``."""
