@@ -193,7 +193,7 @@ def test_a_long_prompt_is_encoded_off_the_event_loop(
     # Round 72: the proxy encoded a call's prompt on its event loop; one sandbox's 30 MB
     # prompt held it 79 s, during which no other session's call and no sandbox's relayed
     # byte moved (another sandbox's command was recorded as a timeout). It is encoded in a
-    # worker thread now, by the tokenizer's call that lets go of the GIL.
+    # thread of the proxy's own, by the tokenizer's call that lets go of the GIL.
     import threading
     import time
 
@@ -203,9 +203,11 @@ def test_a_long_prompt_is_encoded_off_the_event_loop(
         """(long calls answered when a health check sent during the long one is answered,
         the long call's status)."""
         status: list[int] = []
-        with running_proxy(tmp, OK, engine_max_context=4096) as proxy:
+        # A context the prompt passes the bound for (at most 24 bytes a token here) and is
+        # over once encoded (about 6 bytes a token): encoded in full, then refused.
+        with running_proxy(tmp, OK, engine_max_context=200_000) as proxy:
             url = proxy.url
-            big = _body(system="agent " * 400_000)  # about 2.4 MB, over the context once encoded
+            big = _body(system="agent " * 400_000)  # about 2.4 MB, 400,000 tokens
 
             def long_call() -> None:
                 status.append(_post(url, "/s/a/v1/chat/completions", big).status_code)
@@ -221,11 +223,101 @@ def test_a_long_prompt_is_encoded_off_the_event_loop(
     assert answered_first(tmp_path / "thread") == (0, 400)
 
     # The control: encoded on the event loop, the health check waits for the long call.
-    async def inline(fn: Any, *args: Any) -> Any:
+    async def inline(self: Any, fn: Any, *args: Any) -> Any:
+        self.tok.limit = self.engine.max_context
         return fn(*args)
 
-    monkeypatch.setattr(core.asyncio, "to_thread", inline)
+    monkeypatch.setattr(core.ProxyCore, "_off_loop", inline)
     assert answered_first(tmp_path / "loop") == (1, 400)
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_encoded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Round 73: encoding takes about 170 bytes of memory a byte of text, and a token count
+    # encodes as a call does: a few 32 MB bodies held gigabytes of the proxy's memory, which
+    # no sandbox's cgroup pays for. No token of a byte-level BPE stands for more bytes than its
+    # longest piece, so a text longer than the context times that is refused unread.
+    from legorl.proxy.tokens import ChatTokenizer
+
+    encoded: list[int] = []
+    real = ChatTokenizer._encode
+
+    def counted(self: ChatTokenizer, text: str) -> list[int]:
+        encoded.append(len(text))
+        return real(self, text)
+
+    monkeypatch.setattr(ChatTokenizer, "_encode", counted)
+    big = "agent " * 20_000  # 120 KB: over 4096 tokens x 24 bytes
+
+    def answers(tmp: Path) -> tuple[httpx.Response, httpx.Response]:
+        with running_proxy(tmp, OK, engine_max_context=4096) as proxy:
+            url = proxy.url
+            chat = _post(url, "/s/a/v1/chat/completions", _body(system=big))
+            count = _post(
+                url,
+                "/s/a/v1/messages/count_tokens",
+                {"model": "m", "messages": [{"role": "user", "content": big}]},
+            )
+        return chat, count
+
+    chat, count = answers(tmp_path / "bound")
+    for resp in (chat, count):
+        message = resp.json()["error"]["message"]
+        assert resp.status_code == 400 and "at least" in message and "4095 maximum" in message
+    assert max(encoded, default=0) < 2048, encoded  # nothing long was encoded
+    # The control: a tokenizer with no bound encodes the texts in full: the call is refused
+    # with its exact count, the count answered.
+    monkeypatch.setattr(ChatTokenizer, "max_token_bytes", None)
+    chat, count = answers(tmp_path / "unbound")
+    assert max(encoded) >= len(big)
+    assert chat.status_code == 400 and "at least" not in chat.text, chat.text
+    assert count.status_code == 200 and count.json()["input_tokens"] > 4096, count.text
+
+
+def test_a_session_counts_tokens_one_call_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Round 73: the token-count routes took no lock, and each was encoded in the process's
+    # shared thread pool: 16 counts at once from one sandbox held every thread, and other
+    # sessions' calls waited 23-31 s. A session's counts now run one at a time, in the
+    # proxy's own encoding threads.
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from legorl.proxy.tokens import ChatTokenizer
+
+    now, most = [0], [0]
+    guard = threading.Lock()
+    real = ChatTokenizer.count
+
+    def slow(self: ChatTokenizer, messages: Any, tools: Any) -> int:
+        with guard:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        time.sleep(0.3)
+        with guard:
+            now[0] -= 1
+        return int(real(self, messages, tools))
+
+    monkeypatch.setattr(ChatTokenizer, "count", slow)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+    def most_at_once(sessions: list[str]) -> int:
+        most[0] = 0
+        with (
+            running_proxy(tmp_path / "-".join(sessions), OK) as proxy,
+            ThreadPoolExecutor(len(sessions)) as pool,
+        ):
+            paths = [f"/s/{sid}/v1/messages/count_tokens" for sid in sessions]
+            codes = list(pool.map(lambda path: _post(proxy.url, path, body).status_code, paths))
+        assert codes == [200] * len(sessions), codes
+        return most[0]
+
+    assert most_at_once(["a"] * 4) == 1
+    # The control: two sessions count at once.
+    assert most_at_once(["a", "b", "a", "b"]) == 2
 
 
 def test_the_main_system_prompt_is_bound_at_open_or_by_the_first_own_call(

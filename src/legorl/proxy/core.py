@@ -42,11 +42,13 @@ exited: the agent's commands run beside the harness and could forge either.
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import secrets
 import sys
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,7 +79,7 @@ from legorl.proxy.chat import (
 )
 from legorl.proxy.parse import Detokenizer, OutputParser
 from legorl.proxy.session import Generated, PromptPlan, Session
-from legorl.proxy.tokens import ChatTokenizer
+from legorl.proxy.tokens import ChatTokenizer, PromptTooLong
 from legorl.proxy.wire import WIRES
 from legorl.records import (
     Failover,
@@ -143,6 +145,8 @@ class Budget:
 CONTEXT_OVERFLOW = "context_length"
 
 
+#: The proxy's threads that encode prompts (each session one call and one count at a time).
+ENCODING_THREADS = 2
 _FAILURES_KEPT = 8  # engine failures a session's report keeps (the latest ones)
 
 
@@ -202,10 +206,15 @@ class ProxyCore:
         self._secrets: dict[str, str] = {}  # live capability sessions' secrets
         self._granted: set[str] = set()  # every id opened as a capability (bare ids never reach)
         self._locks: dict[str, asyncio.Lock] = {}
+        self._counting: dict[str, asyncio.Lock] = {}  # a session's token counts, one at a time
         self._writers: dict[str, JsonlWriter] = {}  # one open Turn file per live session
         self._session_out: dict[str, Path] = {}  # sessions opened with their own Turn folder
         self._spent: dict[str, _Spent] = {}  # budget used by each live session
         self.stats = {"requests": 0, "errors": 0, "cancelled": 0}
+        #: Where prompts are encoded: off the event loop (a long prompt takes seconds, round
+        #: 72), in threads of the proxy's own, never the loop's default pool that other work of
+        #: the process shares (round 73), and a session's one at a time (its lock).
+        self._encoding = ThreadPoolExecutor(ENCODING_THREADS, thread_name_prefix="legorl-encode")
 
     # ---- entry point --------------------------------------------------------------------
 
@@ -247,7 +256,7 @@ class ProxyCore:
             if gemini is not None:
                 return await self._gemini(gemini["model"], gemini["method"], query, session, body)
             if endpoint is None:
-                return await asyncio.to_thread(self._count_tokens, body)
+                return await self._count_tokens(session, body)
             return await self._chat(session, WIRES[endpoint].parse_request(body))
         except ApiError as err:
             if self.config.log_errors:
@@ -455,6 +464,7 @@ class ProxyCore:
         self.sessions.pop(sid, None)
         self._secrets.pop(sid, None)
         self._locks.pop(sid, None)
+        self._counting.pop(sid, None)
         self._session_out.pop(sid, None)
         writer = self._writers.pop(sid, None)
         if writer is not None:
@@ -465,10 +475,35 @@ class ProxyCore:
         for sid in list(self._writers):
             self._writers.pop(sid).close()
 
-    def _count_tokens(self, body: bytes) -> Response:
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``, which encodes a prompt, in an encoding thread; a prompt that cannot
+        fit the model's context is refused before it is encoded (``ChatTokenizer.limit``)."""
+        self.tok.limit = self.engine.max_context
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._encoding, functools.partial(fn, *args))
+
+    async def _count(self, session: Session, messages: list[Any], tools: list[Any]) -> int:
+        """A token count, one a session at a time (the counting routes take no call lock)."""
+        async with self._counting.setdefault(session.id, asyncio.Lock()):
+            try:
+                return int(await self._off_loop(self.tok.count, messages, tools))
+            except PromptTooLong as exc:
+                raise self._too_long(f"at least {exc.tokens}") from None
+
+    def _too_long(self, tokens: int | str) -> ApiError:
+        limit = self.engine.max_context
+        return ApiError(
+            400,
+            f"prompt is too long: {tokens} tokens > {limit - 1} maximum "
+            f"(the model's context is {limit} tokens)",
+            code="context_length_exceeded",
+            param="messages",
+        )
+
+    async def _count_tokens(self, session: Session, body: bytes) -> Response:
         wire = WIRES["anthropic"]
         req = wire.count_tokens_request(body)  # type: ignore[attr-defined]
-        n = self.tok.count(req.messages, req.tools)
+        n = await self._count(session, req.messages, req.tools)
         return Response(200, wire.count_tokens_body(n))  # type: ignore[attr-defined]
 
     async def _gemini(
@@ -478,7 +513,7 @@ class ProxyCore:
 
         if method == "countTokens":
             req = gemini.count_tokens_request(body, model=model)
-            n = await asyncio.to_thread(self.tok.count, req.messages, req.tools)
+            n = await self._count(session, req.messages, req.tools)
             return Response(200, gemini.count_tokens_body(n))
         sse = "alt=sse" in query.split("&")
         req = gemini.parse_request(body, model=model, stream=method != "generateContent" and sse)
@@ -504,21 +539,16 @@ class ProxyCore:
             spent = self._spent.setdefault(session.id, _Spent())
             self._check_budget(spent)
             t0 = time.perf_counter()
-            # Off the event loop: a long prompt takes seconds to encode, and every other
-            # session's calls and sandboxes' commands go on meanwhile (round 72).
-            plan = await asyncio.to_thread(session.plan, req)
+            try:
+                plan = await self._off_loop(session.plan, req)
+            except PromptTooLong as exc:
+                spent.truncated = spent.truncated or CONTEXT_OVERFLOW
+                raise self._too_long(f"at least {exc.tokens}") from None
             build_s = time.perf_counter() - t0
             prompt = plan.prompt_ids
-            limit = self.engine.max_context
-            if len(prompt) >= limit:
+            if len(prompt) >= self.engine.max_context:
                 spent.truncated = spent.truncated or CONTEXT_OVERFLOW
-                raise ApiError(
-                    400,
-                    f"prompt is too long: {len(prompt)} tokens > {limit - 1} maximum "
-                    f"(the model's context is {limit} tokens)",
-                    code="context_length_exceeded",
-                    param="messages",
-                )
+                raise self._too_long(len(prompt))
             meta = {"arrived": arrived, "queue_s": queued, "prompt_build_s": build_s}
             events = self._generate(session, req, plan, prompt, meta, lock, spent)
             rid = wire.response_id()
