@@ -474,6 +474,7 @@ class ProxyCore:
     def close(self) -> None:
         for sid in list(self._writers):
             self._writers.pop(sid).close()
+        self._encoding.shutdown(wait=False, cancel_futures=True)
 
     async def _off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``, which encodes a prompt, in an encoding thread; a prompt that cannot

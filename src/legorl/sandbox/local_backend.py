@@ -442,14 +442,21 @@ def _ro_binds(
     return args
 
 
+def _chown_tree(path: Path, uid: int) -> None:
+    """``path`` and everything below it made over to ``uid`` (symlinks changed themselves,
+    never followed)."""
+    os.lchown(path, uid, uid)
+    for top, dirs, files in os.walk(path):
+        for name in dirs + files:
+            os.lchown(os.path.join(top, name), uid, uid)
+
+
 def _give_to_user(root: Path, uid: int) -> None:
     """A sandbox's folders (its repository, /tmp and HOME) made over to its own user, and the
     /etc/passwd and /etc/group its commands see: the host's, with that user added."""
-    for folder in ("repo", "tmp", "home"):
+    _chown_tree(root / "repo", uid)
+    for folder in ("tmp", "home"):
         os.lchown(root / folder, uid, uid)
-    for top, dirs, files in os.walk(root / "repo"):
-        for name in dirs + files:
-            os.lchown(os.path.join(top, name), uid, uid)
     (root / "etc").mkdir()
     for name, line in (
         ("passwd", f"{AGENT_USER}:x:{uid}:{uid}::/root:/bin/sh\n"),
@@ -537,6 +544,7 @@ class LocalSandbox:
         if self._as_user:
             self._head = self._judged_head
             _give_to_user(root, self.judged_uid)
+            self._judged_ready = True  # the repository is the judged user's already
         if grading:
             # Root's own grading steps, as on Docker: the host's root with GRADING_CAPS (in a
             # user namespace it could neither chown nor write the judged user's files).
@@ -648,11 +656,7 @@ class LocalSandbox:
                 "backend can switch users only when it runs as root (or use --backend docker)"
             )
         if not self._judged_ready:
-            repo = self.root / "repo"
-            os.lchown(repo, self.judged_uid, self.judged_uid)
-            for top, dirs, files in os.walk(repo):
-                for name in dirs + files:
-                    os.lchown(os.path.join(top, name), self.judged_uid, self.judged_uid)
+            _chown_tree(self.root / "repo", self.judged_uid)
             os.chmod(self.root / "tmp", 0o1777)
             self._judged_ready = True
         name = f"{JUDGED_DIR_PREFIX}{secrets.token_hex(8)}"
