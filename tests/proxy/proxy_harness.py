@@ -27,6 +27,7 @@ class RunningProxy:
     core: ProxyCore
     out: Path
     loop: asyncio.AbstractEventLoop
+    server: ProxyServer | None = None
 
     def turns(self, session: str) -> list[Turn]:
         path = self.out / f"{session}.jsonl"
@@ -51,7 +52,7 @@ def running_proxy(
     server = ProxyServer(core, "127.0.0.1", 0)
     asyncio.run_coroutine_threadsafe(server.start(), loop).result(30)
     try:
-        yield RunningProxy(server.url, core, out, loop)
+        yield RunningProxy(server.url, core, out, loop, server)
     finally:
         asyncio.run_coroutine_threadsafe(server.close(), loop).result(30)
         asyncio.run_coroutine_threadsafe(eng.close(), loop).result(30)

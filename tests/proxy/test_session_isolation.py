@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -318,6 +319,63 @@ def test_a_session_counts_tokens_one_call_at_a_time(
     assert most_at_once(["a"] * 4) == 1
     # The control: two sessions count at once.
     assert most_at_once(["a", "b", "a", "b"]) == 2
+
+
+def test_a_call_whose_client_left_is_ended_not_queued(tmp_path: Path) -> None:
+    # Round 73: a sandbox sent calls and closed their connections; the server did not notice,
+    # and each call stayed queued behind its session's lock, holding its body, until the
+    # session got to it. A call whose connection is read to the end now ends.
+    import socket
+
+    with running_proxy(tmp_path, OK) as proxy:
+        assert proxy.server is not None
+        server, engine = proxy.server, proxy.core.engine
+        real, started = engine.generate, []
+
+        async def first_waits_for_the_leavers(request: Any) -> Any:
+            started.append(request)
+            if len(started) == 1:  # the first call holds the session's lock until they left
+                for _ in range(300):
+                    if server.stats["gone"] >= 3:
+                        break
+                    await asyncio.sleep(0.1)
+            async for chunk in real(request):
+                yield chunk
+
+        engine.generate = first_waits_for_the_leavers  # type: ignore[method-assign]
+        path = "/s/a/v1/chat/completions"
+        payload = orjson.dumps(_body())
+        raw = (
+            f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(payload)}\r\n\r\n"
+        ).encode() + payload
+        host, port = proxy.url.removeprefix("http://").split(":")
+
+        def send() -> socket.socket:
+            sock = socket.create_connection((host, int(port)), timeout=60)
+            sock.sendall(raw)
+            return sock
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(_post, proxy.url, path, _body())
+            while not started:
+                time.sleep(0.01)
+            leavers = [send() for _ in range(3)]
+            stayer = send()  # the control: a client that waits is answered in its turn
+            deadline = time.monotonic() + 60
+            while proxy.core.stats["requests"] < 5 and time.monotonic() < deadline:
+                time.sleep(0.05)  # every call read and queued behind the first
+            for sock in leavers:
+                sock.close()
+            assert first.result().status_code == 200
+        answer = stayer.recv(65536)
+        stayer.close()
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        assert server.stats["gone"] == 3
+        assert len(started) == 2  # the first call and the stayer's; no leaver's was sampled
+        assert len(proxy.turns("a")) == 2
 
 
 def test_the_main_system_prompt_is_bound_at_open_or_by_the_first_own_call(

@@ -42,12 +42,13 @@ exited: the agent's commands run beside the harness and could forge either.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import re
 import secrets
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -563,7 +564,8 @@ class ProxyCore:
                     content_type="text/event-stream",
                     headers={"cache-control": "no-cache"},
                 )
-            collected = [ev async for ev in events]
+            async with contextlib.aclosing(events):  # a call ended early frees its request
+                collected = [ev async for ev in events]
             completion = Completion.collect(collected, id=rid, model=req.model, created=created)
             return Response(200, wire.response_body(completion, req))
         except BaseException:
@@ -580,7 +582,7 @@ class ProxyCore:
         meta: dict[str, float],
         lock: asyncio.Lock,
         spent: _Spent,
-    ) -> AsyncIterator[Event]:
+    ) -> AsyncGenerator[Event, None]:
         """Sample, parse and stream events; record the Turn once the completion is whole.
 
         Holds the session lock until done, so calls of one session never interleave."""

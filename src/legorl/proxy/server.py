@@ -13,6 +13,8 @@ chunk). Every part of a request is bounded before it is read: request line, head
 size, chunk lines, trailers, the body; and so is every wait: the next request on an idle
 connection, its head, its body. Connections are capped; at the cap a new one displaces the
 connection that has waited longest for its client, so slow clients cannot crowd out the others.
+A call whose client has gone (its connection read to the end while the server works) is ended,
+so calls a client sent and left do not stay queued behind their session's.
 """
 
 from __future__ import annotations
@@ -122,10 +124,12 @@ class _Conn:
     """One connection: what it waits for since when (the sweeper's and the cap's view)."""
 
     task: asyncio.Task[None]
-    phase: str = "idle"  # idle | head | body: waiting for the client; busy: the server works
+    reader: asyncio.StreamReader | None = None
+    # idle | head | body: waiting for the client; busy: the server works; closing: after a 4xx
+    phase: str = "idle"
     since: float = 0.0
     path: str | None = None  # once the head is read: a late body is answered in its API's shape
-    expired: str | None = None  # the wait that ran out, or "displaced"
+    expired: str | None = None  # the wait that ran out, "displaced", or "gone" (the client)
 
 
 @dataclass(slots=True)
@@ -235,7 +239,13 @@ class ProxyServer:
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
         self._connections: dict[asyncio.Task[None], _Conn] = {}
-        self.stats = {"connections_peak": 0, "displaced": 0, "refused": 0, "rejected": 0}
+        self.stats = {
+            "connections_peak": 0,
+            "displaced": 0,
+            "refused": 0,
+            "rejected": 0,
+            "gone": 0,
+        }
 
     @property
     def connections(self) -> int:
@@ -283,12 +293,20 @@ class ProxyServer:
             await asyncio.sleep(every)
             now = time.monotonic()
             for conn in list(self._connections.values()):
+                if conn.expired is not None:
+                    continue
                 wait = waits.get(conn.phase)
-                if wait is not None and conn.expired is None and now - conn.since > wait:
+                if wait is not None and now - conn.since > wait:
                     conn.expired = conn.phase
                     conn.task.cancel()
+                elif conn.phase == "busy" and conn.reader is not None and conn.reader.at_eof():
+                    # The client closed (or half-closed) its side while its call runs: nobody
+                    # reads the answer, so the call ends, lock and engine request with it.
+                    conn.expired = "gone"
+                    self.stats["gone"] += 1
+                    conn.task.cancel()
 
-    def _admit(self, task: asyncio.Task[None]) -> _Conn | None:
+    def _admit(self, task: asyncio.Task[None], reader: asyncio.StreamReader) -> _Conn | None:
         if len(self._connections) >= self.limits.max_connections:
             waiting = [c for c in self._connections.values() if c.phase != "busy" and not c.expired]
             if not waiting:
@@ -298,7 +316,7 @@ class ProxyServer:
             oldest.task.cancel()
             del self._connections[oldest.task]
             self.stats["displaced"] += 1
-        conn = self._connections[task] = _Conn(task, since=time.monotonic())
+        conn = self._connections[task] = _Conn(task, reader, since=time.monotonic())
         self.stats["connections_peak"] = max(self.stats["connections_peak"], len(self._connections))
         task.add_done_callback(lambda t: self._connections.pop(t, None))
         return conn
@@ -308,7 +326,7 @@ class ProxyServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        conn = self._admit(task)
+        conn = self._admit(task, reader)
         try:
             if conn is None:
                 self.stats["refused"] += 1
@@ -319,7 +337,7 @@ class ProxyServer:
             return
         except asyncio.CancelledError:
             if conn is None or conn.expired not in ("head", "body"):
-                return  # idle, displaced, or the server closing: closed without an answer
+                return  # idle, displaced, gone, or the server closing: closed without an answer
             task.uncancel()
             rej = _Reject(408, f"request {conn.expired} not received in time", conn.path)
             writer.write(self._frame(self._rejection(rej), False))  # sent by close()
@@ -346,6 +364,7 @@ class ProxyServer:
                 conn.phase = "busy"
                 self.stats["rejected"] += 1
                 await self._write(writer, self._rejection(rej), False)
+                conn.phase = "closing"
                 await _linger(reader, writer)
                 return
             conn.phase = "busy"
