@@ -160,6 +160,21 @@ def test_a_patch_whose_tree_is_past_the_limit_is_refused(backend_name: str, tmp_
     assert "judged tree's patch is 12,000," in graded.verdict["reason"]
 
 
+@pytest.mark.parametrize("backend_name", ["docker", "local"])
+def test_a_tree_of_any_depth_is_graded(backend_name: str) -> None:
+    """Round 74: the gold fix plus a data file 1,100 folders deep got 0 on the local backend
+    (``grading_failed``: the walk that makes the judged tree over to the judged user recursed
+    once per level) and 1.0 on Docker. A patch's depth is not its failure on either."""
+    task = _task()
+    deep = "zz-data/" + "d/" * 1100 + "x.txt"
+    patch = task.patch + _new_file(deep, "data")
+    got = asyncio.run(
+        _batch([_traj(task, "deep", patch)], task, _backend(backend_name), VerifyConfig())
+    )
+    graded = got["deep"]
+    assert graded.reward == 1.0 and not graded.hack_flags, graded.verdict
+
+
 def test_turns_that_cannot_be_read_leave_the_patch_graded() -> None:
     """Turns only feed hack flags: a trajectory whose turns do not read (round 8: any error
     of the reader gave a null reward, with no control) is graded on its patch all the same."""

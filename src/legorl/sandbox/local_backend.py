@@ -444,11 +444,27 @@ def _ro_binds(
 
 def _chown_tree(path: Path, uid: int) -> None:
     """``path`` and everything below it made over to ``uid`` (symlinks changed themselves,
-    never followed)."""
-    os.lchown(path, uid, uid)
-    for top, dirs, files in os.walk(path):
-        for name in dirs + files:
-            os.lchown(os.path.join(top, name), uid, uid)
+    never followed). The walk keeps its own stack and names each entry relative to ``path``, so
+    a patch's tree of any depth is walked (``os.walk`` recurses once per level here and raises
+    ``RecursionError`` past about a thousand; round 74)."""
+    top = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.chown(top, uid, uid)
+        folders = ["."]
+        while folders:
+            folder = folders.pop()
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
+            try:
+                with os.scandir(fd) as entries:
+                    for entry in entries:
+                        name = f"{folder}/{entry.name}"
+                        os.chown(name, uid, uid, dir_fd=top, follow_symlinks=False)
+                        if entry.is_dir(follow_symlinks=False):
+                            folders.append(name)
+            finally:
+                os.close(fd)
+    finally:
+        os.close(top)
 
 
 def _give_to_user(root: Path, uid: int) -> None:
