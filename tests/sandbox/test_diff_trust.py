@@ -242,13 +242,25 @@ def test_the_probe_stores_a_tree_of_many_files_with_a_few_git_processes(
     assert got["a.py"] == ("100644", tree_probe.blob_sha(b"x = 2\n"))
 
 
+def _probe_diff(tmp: Path, repo: Path, base: str, tag: str, **opts: bool) -> dict[str, Any]:
+    """The rollout's diff probe over ``repo`` against ``base`` (its result, read back)."""
+    import json
+
+    from legorl.sandbox import tree_probe
+
+    out = tmp / f"out-{tag}"
+    req = {
+        "mode": "diff", "root": str(repo), "git_dir": str(repo / ".git"), "base": base,
+        "index": str(tmp / f"index-{tag}"), "out": str(out), "respect_ignores": True, **opts,
+    }  # fmt: skip
+    assert tree_probe.main(json.dumps(req)) == 0
+    return dict(json.loads(out.read_text()))
+
+
 def test_the_rollouts_diff_hands_on_its_patch_and_no_listing(tmp_path: Path) -> None:
     """Round 9: ignored files below long folder names left the patch at 137 bytes but the
     probe's result listed every one of them, and the local backend read it whole (803 MB for
     100,000 files). The rollout's diff asks for no listing; grading's probe still gets one."""
-    import json
-
-    from legorl.sandbox import tree_probe
 
     repo = tmp_path / "repo"
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
@@ -265,18 +277,39 @@ def test_the_rollouts_diff_hands_on_its_patch_and_no_listing(tmp_path: Path) -> 
     (repo / "a.py").write_bytes(b"x = 2\n")
 
     def probe(listing: bool) -> dict[str, Any]:
-        out = tmp_path / f"out-{listing}"
-        req = {
-            "mode": "diff", "root": str(repo), "git_dir": str(repo / ".git"), "base": base,
-            "index": str(tmp_path / f"index-{listing}"), "out": str(out),
-            "skip_junk": True, "respect_ignores": True, "listing": listing,
-        }  # fmt: skip
-        assert tree_probe.main(json.dumps(req)) == 0
-        assert out.stat().st_size < (1 << 10 if not listing else 1 << 20)
-        return json.loads(out.read_text())
+        got = _probe_diff(tmp_path, repo, base, str(listing), skip_junk=True, listing=listing)
+        assert (tmp_path / f"out-{listing}").stat().st_size < (1 << 10 if not listing else 1 << 20)
+        return got
 
     rollout, grading = probe(False), probe(True)
     assert "changes" not in rollout and "odd" not in rollout and "paths" not in rollout
     patch = Path(rollout["patch_file"]).read_text()
     assert "a.py" in patch and "f0.ign" not in patch and ".gitignore" in patch
     assert len(grading["changes"]) == 302 and grading["paths"] == [".gitignore", "a.py"]
+
+
+def test_the_rollouts_diff_leaves_junk_the_base_tracks_alone(tmp_path: Path) -> None:
+    # A repository that commits bytecode: the rollout's diff skips bytecode and caches, and
+    # before round 74's report showed every tracked one deleted in every rollout's patch.
+
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "pkg" / "__pycache__").mkdir(parents=True)
+    (repo / "pkg" / "__pycache__" / "m.cpython-311.pyc").write_bytes(b"\x00tracked")
+    (repo / "old.pyc").write_bytes(b"\x00tracked")
+    (repo / "a.py").write_bytes(b"x = 1\n")
+    ident = ["-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "-C", str(repo), "add", "-A"], check=True)
+    subprocess.run(["git", "-C", str(repo), *ident, "commit", "-qm", "b"], check=True)
+    base = subprocess.check_output(["git", "-C", str(repo), "rev-parse", "HEAD"]).decode().strip()
+    (repo / "a.py").write_bytes(b"x = 2\n")
+    (repo / "new.pyc").write_bytes(b"\x00new")
+
+    def patch(skip_junk: bool) -> str:
+        got = _probe_diff(tmp_path, repo, base, str(skip_junk), skip_junk=skip_junk, listing=False)
+        return Path(got["patch_file"]).read_text()
+
+    rollout = patch(True)
+    assert "a.py" in rollout and ".pyc" not in rollout and "deleted" not in rollout
+    # The control: without skipping, the bytecode the agent's tree made is in the patch.
+    assert "new.pyc" in patch(False)

@@ -121,6 +121,11 @@ def _entry(full: str) -> tuple[str, str, bytes] | None:
     return None
 
 
+def _junk(path: str) -> bool:
+    *folders, name = path.split("/")
+    return name.endswith(JUNK_SUFFIXES) or any(f in JUNK_DIRS for f in folders)
+
+
 def walk(root: str, *, skip_junk: bool = False) -> tuple[dict[str, tuple[str, str]], list[str]]:
     """({path: (mode, sha)} of every file and symlink under ``root`` except its own ``.git``,
     [paths of other kinds: fifos, sockets, devices])."""
@@ -177,6 +182,8 @@ def changes(
     [mode, sha] or None, sorted by path; and the odd (non-file) paths."""
     now, odd = walk(root, skip_junk=skip_junk)
     then = base_tree(git, base)
+    if skip_junk:  # junk the base tracks is left as it is, never shown deleted
+        then = {path: v for path, v in then.items() if not _junk(path)}
     out = []
     for path in sorted(set(now) | set(then)):
         before, after = then.get(path), now.get(path)
