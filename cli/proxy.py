@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import os
 import secrets
+import signal
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -156,10 +157,31 @@ def serve(
             markup=False,
             soft_wrap=True,
         )
+        # SIGTERM (docker stop, systemd) and SIGINT stop it the same way: the engine closed, so
+        # a vLLM server it launched ends with it. SIGINT too is taken here, since a process
+        # started in the background of a script inherits it ignored. A second signal of the
+        # kind ends the process at once.
+        loop, task = asyncio.get_running_loop(), asyncio.current_task()
+        assert task is not None
+        stopping: list[signal.Signals] = []
+
+        def stop(sig: signal.Signals) -> None:
+            loop.remove_signal_handler(sig)
+            console.print(f"legorl proxy: {sig.name}: stopping", markup=False)
+            stopping.append(sig)
+            task.cancel()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop, sig)
         try:
             await server.serve_forever()
+        except asyncio.CancelledError:
+            if not stopping:
+                raise
+            task.uncancel()
         finally:
             await core.engine.close()
+        console.print("legorl proxy: stopped", markup=False)
 
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(main())
