@@ -26,7 +26,7 @@ from legorl.tasks import checkout
 from legorl.verify import VerifyConfig, grade
 from legorl.verify.redteam import unittest_variant
 from legorl.verify.specs import DEFAULT_CMD, SpecError, from_eval_script, resolve
-from legorl.verify.tree import judge as tree_judge
+from legorl.verify.tree_rules import judge as tree_judge
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ROOT / "fixtures" / "tasks"

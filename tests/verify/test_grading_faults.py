@@ -47,7 +47,7 @@ def _backend(name: str) -> Any:
 
 
 def _new_file(path: str, text: str) -> str:
-    lines = text.splitlines()
+    lines = text.removesuffix("\n").split("\n")  # as git splits: a form feed stays in its line
     body = "".join(f"+{ln}\n" for ln in lines)
     return (
         f"diff --git a/{path} b/{path}\nnew file mode 100644\n--- /dev/null\n+++ b/{path}\n"
@@ -173,6 +173,31 @@ def test_a_tree_of_any_depth_is_graded(backend_name: str) -> None:
     )
     graded = got["deep"]
     assert graded.reward == 1.0 and not graded.hack_flags, graded.verdict
+
+
+@pytest.mark.parametrize("backend_name", ["docker", "local"])
+def test_a_correct_fix_with_odd_but_harmless_files_is_graded(backend_name: str) -> None:
+    """Round 75: the gold fix plus a file git applies and pytest never reads got 0 on both
+    backends: a text with a form feed (the patch reader split lines where git does not), a
+    path of 4,090 bytes (the tree probe opened it below /testbed, past the kernel's limit), a
+    ``setup.cfg`` below the repository with no pytest section (read as a runner's
+    configuration). Each gets 1.0 now; the control, a ``setup.cfg`` there with a pytest
+    section, is a runner's configuration still."""
+    task = _task()
+    long = "zz-data/" + ("d" * 250 + "/") * 16 + "f" * 66
+    assert len(long.encode()) == 4090
+    patches = {
+        "formfeed": _new_file("zz-notes.txt", "page one\fpage two\nline\u2028end"),
+        "long path": _new_file(long, "data"),
+        "setup.cfg": _new_file("tests/setup.cfg", "[metadata]\nname = geometry"),
+        "control": _new_file("tests/setup.cfg", "[tool:pytest]\naddopts = -q"),
+    }
+    trajs = [_traj(task, name, task.patch + extra) for name, extra in patches.items()]
+    got = asyncio.run(_batch(trajs, task, _backend(backend_name), VerifyConfig()))
+    for name in ("formfeed", "long path", "setup.cfg"):
+        assert got[name].reward == 1.0 and not got[name].hack_flags, (name, got[name].verdict)
+    assert got["control"].reward == 0.0
+    assert "runner_config_touched" in got["control"].hack_flags
 
 
 def test_turns_that_cannot_be_read_leave_the_patch_graded() -> None:

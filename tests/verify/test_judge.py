@@ -19,7 +19,8 @@ from legorl.records import Task, read_jsonl
 from legorl.verify.patches import PatchError, parse_strict
 from legorl.verify.redteam.toy import _SHADOW_PYTEST as SHADOW_PYTEST
 from legorl.verify.runner import DEFENCES
-from legorl.verify.tree import apply_model_patch, import_roots, judge
+from legorl.verify.tree import apply_model_patch
+from legorl.verify.tree_rules import import_roots, judge
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ROOT / "fixtures" / "tasks"
@@ -194,6 +195,65 @@ def test_a_test_patch_that_needs_a_fallback_keeps_the_models_fix() -> None:
     assert old.reward == 0.0  # the old cleanup between tries wiped the fix
 
 
+def test_the_strict_reader_splits_lines_where_git_does() -> None:
+    # Round 75: lines were split by str.splitlines, which also breaks at a form feed, a lone
+    # carriage return, U+2028 and more: a correct patch whose file held one was malformed.
+    odd = ["\f", "\v", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029", "\r"]
+    lines = [f"page{i}{ch}rest" for i, ch in enumerate(odd)]
+    body = "".join(f"+{ln}\n" for ln in lines)
+    patch = (
+        "diff --git a/notes.txt b/notes.txt\nnew file mode 100644\n--- /dev/null\n"
+        f"+++ b/notes.txt\n@@ -0,0 +1,{len(lines)} @@\n{body}"
+    )
+    (section,) = parse_strict(patch)
+    assert section.path == "notes.txt" and section.text == patch
+    # The control: a hunk that counts the pieces str.splitlines makes is one git refuses too.
+    pieces = "\n".join(lines).splitlines()
+    assert len(pieces) > len(lines)
+    with pytest.raises(PatchError):
+        parse_strict(patch.replace(f"+1,{len(lines)} @@", f"+1,{len(pieces)} @@"))
+
+
+def _binary_file_patch(tmp: Path, size: int) -> str:
+    """A real ``git diff --binary`` of a new file of ``size`` zero bytes (compressed small)."""
+    import subprocess
+
+    repo = tmp / f"bin{size}"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "blob.bin").write_bytes(bytes(size))
+    git = ["git", "-C", str(repo)]
+    subprocess.run([*git, "add", "-N", "blob.bin"], check=True)
+    return subprocess.check_output([*git, "diff", "--binary"]).decode()
+
+
+def test_a_patch_whose_tree_cannot_fit_a_grading_sandbox_is_refused_before_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Round 75: 283,000 new files and folders in a 1.3 MB patch filled a Docker grading
+    # sandbox's /testbed and failed after 135 s, and fit the local one's: the backends
+    # disagreed. What a patch adds is counted from its text first, the same for both.
+    from legorl.verify import tree
+
+    chains = [
+        _new_file(f"zz{i}/" + "d/" * 49 + "f", "x\n") for i in range(tree.MAX_NEW_PATHS // 50 + 1)
+    ]
+    refused = tree._refuse("".join(chains))
+    assert refused is not None and refused[0] == "patch_too_large"
+    assert "new files and folders" in refused[1]
+    assert tree._refuse("".join(chains[: len(chains) // 2])) is None  # the control: half fits
+    # Binary files count by the size they are written at, not the compressed size they come in.
+    monkeypatch.setattr(tree, "MAX_LITERAL_BYTES", 1 << 20)
+    big, small = _binary_file_patch(tmp_path, 2 << 20), _binary_file_patch(tmp_path, 1 << 19)
+    assert len(big) < 1 << 15
+    assert (tree._refuse(big) or ("", ""))[0] == "patch_too_large"
+    assert tree._refuse(small) is None
+    # The text's own limit is in bytes, as the judged tree's patch is (round 75: characters).
+    monkeypatch.setattr(tree, "MAX_PATCH", 1 << 16)
+    wide = _new_file("notes.txt", "\u4e2d" * 30_000)
+    assert len(wide) < 1 << 16 < len(wide.encode())
+    assert (tree._refuse(wide) or ("", ""))[0] == "patch_too_large"
+
+
 def test_the_strict_reader_refuses_what_git_and_we_could_read_differently() -> None:
     good = _new_file("a b.py", "x = 1\n")
     assert [d.path for d in parse_strict(good)] == ["a b.py"]
@@ -345,7 +405,7 @@ def test_a_runner_config_too_long_to_parse_quickly_stays_text() -> None:
     # Round 3: a setup.cfg line with 60,000 spaces kept configparser on verify's event loop
     # for 51 s (quadratic). Past the bounds the judge does not parse it: it is text, and a new
     # or changed text is a changed configuration.
-    from legorl.verify.tree import CONFIG_LINE, _pytest_sections
+    from legorl.verify.tree_rules import CONFIG_LINE, _pytest_sections
 
     long = "[metadata]\nsummary" + " " * (CONFIG_LINE * 60) + "plane\n"
     assert _pytest_sections("setup.cfg", long) == long
@@ -366,7 +426,7 @@ def test_the_judge_parses_a_bounded_amount_of_runner_configuration(
     # verify's event loop for about two minutes per grading pass, the gold fix beside them. The
     # judge parses at most CONFIG_BUDGET bytes of configuration a tree; past it a changed one
     # is a changed configuration, unread.
-    from legorl.verify import tree
+    from legorl.verify import tree_rules as tree
 
     line = "a" + " " * (tree.CONFIG_LINE - 3) + "b\n"
     crafted = "#\x00\n[s]\n" + line * 63
@@ -485,11 +545,11 @@ def test_a_new_top_level_module_needs_a_tests_name() -> None:
     which no environment has; the repository's root is on sys.path (an editable install's
     .pth), so a new root module of that name runs in test runs alone. A new top-level name on a
     folder the runner puts on sys.path must be a test's, one no module has."""
-    from legorl.verify.tree import _runner_folders
+    from legorl.verify.tree_rules import runner_folders
 
     scripts = frozenset({"tests/runtests.py", "runtests.py", "sympy/testing/runtests.py"})
     # sympy's runner module is library code its script imports: its folder is no path entry.
-    assert _runner_folders(scripts, {"sympy/testing/__init__.py"}) == {"tests/", ""}
+    assert runner_folders(scripts, {"sympy/testing/__init__.py"}) == {"tests/", ""}
     base = {"toolz/__init__.py", "toolz/itertoolz.py", "tests/runtests.py"}
 
     def row(path: str) -> dict[str, Any]:

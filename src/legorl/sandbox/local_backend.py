@@ -993,7 +993,12 @@ class LocalBackend:
                 view = mount_view(root / "view")
             for sub in ("tmp", "home"):
                 (root / sub).mkdir()
-            shutil.copytree(_layer_dir(instance) / "repo", root / "repo", symlinks=True)
+            if grading:
+                (root / "repo").mkdir()
+                _mount_grading_tmpfs(root, repo=True)
+            shutil.copytree(
+                _layer_dir(instance) / "repo", root / "repo", symlinks=True, dirs_exist_ok=True
+            )
             meta = self.cache.layer_meta(instance)
             if proxy_url:
                 split_proxy_url(proxy_url)
@@ -1028,26 +1033,30 @@ class LocalBackend:
             raise
 
 
-def _mount_grading_tmpfs(root: Path) -> None:
-    """A grading sandbox's whole private folder (its repository, /tmp and HOME) on one
-    size-capped tmpfs: what a judged command writes is held in memory its cgroup is charged
-    for, up to ``GRADING_REPO_MB + GRADING_TMP_MB`` (and their inode caps), never on the disk
-    the judge shares."""
-    size = GRADING_REPO_MB + GRADING_TMP_MB
-    inodes = GRADING_REPO_INODES + GRADING_TMP_INODES
-    opts = f"size={size}m,nr_inodes={inodes},mode=0755,nosuid,nodev"
+def _mount_grading_tmpfs(root: Path, *, repo: bool = False) -> None:
+    """A grading sandbox's private folder (/tmp and HOME) on a size-capped tmpfs, and with
+    ``repo`` its repository on one of its own, with Docker's caps for each: what a judged
+    command writes is held in memory its cgroup is charged for, never on the disk the judge
+    shares, and a tree fits here exactly where it fits in a Docker grading sandbox (round 75:
+    one tmpfs for both took a tree of 283,000 files that Docker's /testbed did not)."""
+    if repo:
+        where = root / "repo"
+        opts = f"size={GRADING_REPO_MB}m,nr_inodes={GRADING_REPO_INODES},mode=0755"
+    else:
+        where = root  # its own few files too (the owner's, the view's and relay's folders)
+        opts = f"size={GRADING_TMP_MB + 16}m,nr_inodes={GRADING_TMP_INODES + 1024},mode=0755"
     try:
         done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", opts, "legorl-grading", str(root)],
+            ["mount", "-t", "tmpfs", "-o", f"{opts},nosuid,nodev", "legorl-grading", str(where)],
             capture_output=True,
             text=True,
             timeout=60,
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise SandboxError(f"cannot mount a tmpfs on {root}: {exc}") from None
+        raise SandboxError(f"cannot mount a tmpfs on {where}: {exc}") from None
     if done.returncode != 0:
         why = (done.stderr.strip().splitlines() or ["mount failed"])[-1]
-        raise SandboxError(f"cannot mount a tmpfs on {root} (grading needs root): {why}")
+        raise SandboxError(f"cannot mount a tmpfs on {where} (grading needs root): {why}")
 
 
 def gc_local(*, everything: bool = False, dry_run: bool = False) -> list[str]:

@@ -121,6 +121,13 @@ def _entry(full: str) -> tuple[str, str, bytes] | None:
     return None
 
 
+def _at(root: str, path: str) -> str:
+    """``path`` below ``root`` as the probe opens it. ``main`` runs in the tree (``root`` is
+    ``"."``), so a path git made relative opens at its own length: with ``/testbed/`` before
+    it, a path of 4,090 bytes was past the kernel's limit (round 75)."""
+    return path if root == "." else os.path.join(root, path)
+
+
 def _junk(path: str) -> bool:
     *folders, name = path.split("/")
     return name.endswith(JUNK_SUFFIXES) or any(f in JUNK_DIRS for f in folders)
@@ -134,7 +141,7 @@ def walk(root: str, *, skip_junk: bool = False) -> tuple[dict[str, tuple[str, st
     stack = [""]
     while stack:
         rel = stack.pop()
-        with os.scandir(os.path.join(root, rel) if rel else root) as it:
+        with os.scandir(_at(root, rel) if rel else root) as it:
             entries = list(it)
         for de in entries:
             path = f"{rel}/{de.name}" if rel else de.name
@@ -147,7 +154,7 @@ def walk(root: str, *, skip_junk: bool = False) -> tuple[dict[str, tuple[str, st
                 continue
             if skip_junk and de.name.endswith(JUNK_SUFFIXES):
                 continue
-            got = _entry(os.path.join(root, path))
+            got = _entry(_at(root, path))
             if got is None:
                 odd.append(path)
             else:
@@ -231,7 +238,7 @@ def write_tree(root: str, git: dict[str, str], base: str, rows: list[dict[str, A
         if row["after"] is None:
             info.append(b"0 " + b"0" * 40 + b"\t" + os.fsencode(path))
             continue
-        full = os.path.join(root, path)
+        full = _at(root, path)
         try:
             st = os.lstat(full)
         except FileNotFoundError:
@@ -250,7 +257,7 @@ def write_tree(root: str, git: dict[str, str], base: str, rows: list[dict[str, A
     try:
         if batch:
             names = "".join(
-                (copies[p] if p in copies else os.path.join(root, p)) + "\n" for p, _, _ in batch
+                (copies[p] if p in copies else _at(root, p)) + "\n" for p, _, _ in batch
             )
             argv = clean_git("hash-object", "-w", "--no-filters", "--stdin-paths", **git)
             stored = _run(argv, os.fsencode(names)).decode().split()
@@ -355,7 +362,7 @@ def _text(
     if row["before"]:
         before = cut(_run(clean_git("cat-file", "blob", row["before"][1], **git)))
     if row["after"] and row["after"][0] != "120000":
-        with open(os.path.join(root, row["path"]), "rb") as fh:
+        with open(_at(root, row["path"]), "rb") as fh:
             after = cut(fh.read(min(budget) + 1))
     return {"before_text": before, "after_text": after}
 
@@ -394,24 +401,34 @@ def main(request_path: str) -> int:
     else:
         with open(request_path) as fh:
             req = json.load(fh)
-    mode, root, out = req["mode"], req.get("root", "/testbed"), req["out"]
-    git = {k: req[k] for k in ("git_dir", "index", "objects", "alternates") if req.get(k)}
+    # Every path of the request absolute: the probe reads the tree from inside it (``_at``).
+    mode, root = req["mode"], os.path.abspath(req.get("root", "/testbed"))
+    out = req["out"] = os.path.abspath(req["out"])
+    git = {
+        k: os.path.abspath(req[k])
+        for k in ("git_dir", "index", "objects", "alternates")
+        if req.get(k)
+    }
     git["work_tree"] = root
+    gitdirs = [os.path.abspath(p) for p in req.get("gitdir", ())]
+    diff_index = os.path.abspath(req["diff_index"]) if req.get("diff_index") else None
     if git.get("objects"):
         os.makedirs(git["objects"], exist_ok=True)
     result: dict[str, Any] = {}
+    back = os.open(".", os.O_RDONLY | os.O_DIRECTORY)
     try:
         if os.path.islink(root) or not os.path.isdir(root):
             raise RuntimeError(f"{root} is not a folder")
+        os.chdir(root)
         if mode == "survey":  # grading, after the patch: what changed, and what it may shadow
-            rows, odd = changes(root, git, req["base"])
+            rows, odd = changes(".", git, req["base"])
             texts = set(req.get("texts", ()))
             budget = [req.get("text_budget", 1 << 20), req.get("text_bytes", 1 << 20)]
             for row in rows:
                 if os.path.basename(row["path"]) in texts:
-                    row.update(_text(git, root, row, budget))
-            now, _ = walk(req["gitdir"][0])
-            then, _ = walk(req["gitdir"][1])
+                    row.update(_text(git, ".", row, budget))
+            now, _ = walk(gitdirs[0])
+            then, _ = walk(gitdirs[1])
             result = {
                 "changes": rows,
                 "odd": odd,
@@ -421,15 +438,18 @@ def main(request_path: str) -> int:
                     p for p in set(now) | set(then) if now.get(p) != then.get(p)
                 ),
             }
-            if req.get("diff_index"):  # the judged diff too, for when nothing is reverted
-                result["diff"] = _diff(root, dict(git, index=req["diff_index"]), req, rows, odd)
+            if diff_index:  # the judged diff too, for when nothing is reverted
+                result["diff"] = _diff(".", dict(git, index=diff_index), req, rows, odd)
         elif mode == "diff":
-            rows, odd = changes(root, git, req["base"], skip_junk=req.get("skip_junk", False))
-            result = _diff(root, git, req, rows, odd)
+            rows, odd = changes(".", git, req["base"], skip_junk=req.get("skip_junk", False))
+            result = _diff(".", git, req, rows, odd)
         else:
             raise RuntimeError(f"unknown mode {mode!r}")
     except (OSError, RuntimeError) as exc:
         result = {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        os.fchdir(back)
+        os.close(back)
     with open(out, "w") as fh:
         json.dump(result, fh)
     if req.get("print"):

@@ -74,12 +74,21 @@ class FileDiff:
         return "\nnew file mode" in self.text or "\n--- /dev/null" in self.text
 
 
+def patch_lines(patch: str) -> list[str]:
+    """``patch``'s lines, each with its ``\n``, split where git splits them: at ``\n`` only.
+    (``str.splitlines`` also splits at form feeds, ``\r``, U+2028 and more, which a file's
+    lines may hold: a correct patch was read as malformed, round 75.)"""
+    lines = [line + "\n" for line in patch.split("\n")]
+    lines[-1] = lines[-1][:-1]
+    return lines if lines[-1] else lines[:-1]
+
+
 def split_diff(patch: str) -> list[FileDiff]:
     """The `diff --git` sections of a unified git diff, in order."""
     sections: list[FileDiff] = []
     current: list[str] = []
     paths: tuple[str, str] | None = None
-    for line in patch.splitlines(keepends=True):
+    for line in patch_lines(patch):
         match = _HEADER.match(line.rstrip("\n"))
         if match:
             if paths is not None:
@@ -230,7 +239,7 @@ def _header_paths(rest: str, line: int) -> tuple[str, str] | None:
 def parse_strict(patch: str) -> list[FileDiff]:
     """The sections of ``patch`` if it is exactly well-formed ``diff --git`` sections; else
     ``PatchError`` naming the line."""
-    lines = patch.splitlines(keepends=True)
+    lines = patch_lines(patch)
     sections: list[FileDiff] = []
     i = 0
     while i < len(lines):

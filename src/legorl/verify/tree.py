@@ -21,22 +21,30 @@ taken before the patch, so nothing the patch writes (hooks, config, attributes) 
 from __future__ import annotations
 
 import asyncio
-import configparser
 import functools
 import json
+import re
 import secrets
 import shlex
-import tomllib
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 from legorl.protocols import Sandbox, SandboxError
 from legorl.records import Task
 from legorl.sandbox import tree_probe
-from legorl.sandbox.common import WORKDIR
+from legorl.sandbox.common import GRADING_REPO_INODES, GRADING_REPO_MB, WORKDIR
 from legorl.sandbox.tree_probe import PATCH_BYTES, clean_git
-from legorl.verify.patches import PatchError, is_test_file, parse_strict, sanitize, split_diff
+from legorl.verify.patches import FileDiff, PatchError, parse_strict, sanitize, split_diff
+from legorl.verify.tree_rules import (
+    CONFIG_BUDGET,
+    CONFIG_BYTES,
+    PYTEST_SECTIONS,
+    TEST_ADDED,
+    import_roots,
+    judge,
+    runner_folders,
+)
 
 GRADE_DIR = "/tmp/legorl-grade"  # inside the grading sandbox, outside the repository
 GIT_DIR = f"{GRADE_DIR}/git"  # grading's working copy of the pristine .git
@@ -50,27 +58,8 @@ PROBE_LIMIT = 64 << 20
 #: short lines. Patches that fix an issue are kilobytes.
 MAX_PATCH = PATCH_BYTES
 
-#: Files the interpreter or pytest runs by their name alone, wherever they are.
-#: pytest reads ``pytest.toml`` and ``.pytest.toml`` since 9.0 (round 20: not reverted, its
-#: ``python_functions`` reached the judged run).
-RUNNER_FILES = {
-    "conftest.py",
-    "pytest.ini",
-    ".pytest.ini",
-    "pytest.toml",
-    ".pytest.toml",
-    "tox.ini",
-    "noxfile.py",
-}
-SITE_HOOKS = {"sitecustomize", "usercustomize"}
-SYMLINK = "120000"  # git's mode of a symlink, as the tree probe reports it
 #: The patch phase's switches (``VerifyConfig.defences_off``), for the red team's controls.
 DEFENCES = frozenset({"judge_tree", "strict_patch", "neutral_git", "put_back_fails"})
-#: ``judge``'s reason for a new test file that breaks no rule: named, and kept in the tree.
-TEST_ADDED = "test_added"
-#: Config files where only the pytest sections are runner configuration.
-PYTEST_SECTIONS = {"pyproject.toml", "setup.cfg"}
-MODULE_SUFFIXES = (".py", ".pyc", ".pyo", ".pyw", ".so", ".pyd")
 
 
 @dataclass(slots=True)
@@ -223,271 +212,55 @@ async def probe(sandbox: Sandbox, mode: str, python: str = "python3", **req: Any
     return out
 
 
-#: What a runner configuration may be for the judge to parse it (`_pytest_sections`).
-CONFIG_BYTES = 64 * 1024
-CONFIG_LINE = 1024
-#: The most runner-configuration text the judge parses for one tree, before and after texts
-#: together (bytes; about two seconds of the parsers' worst case). Past it a changed
-#: pyproject.toml / setup.cfg is a changed configuration, unread: a fix changes one or two.
-CONFIG_BUDGET = 256 * 1024
-
-
-def _pytest_sections(name: str, text: str | None) -> Any:
-    """The pytest configuration a pyproject.toml / setup.cfg holds (the raw text when it does
-    not parse: pytest may still read it another way). A text past ``CONFIG_BYTES`` or with a
-    line past ``CONFIG_LINE`` characters is not parsed (the parsers' time grows faster than
-    the text there): it stays text too."""
-    if text is None:
-        return None
-    if len(text) > CONFIG_BYTES or any(len(line) > CONFIG_LINE for line in text.splitlines()):
-        return text
-    if text.splitlines() != text.split("\n")[: len(text.splitlines())] or "\r" in text:
-        # A line break configparser does not split on (a form feed, U+2028, a carriage
-        # return) and pytest's ini reader does (round 22: ``# x\fpythonpath = etc`` was a
-        # comment to one and a key to the other): the text, unparsed.
-        return text
-    try:
-        if name == "pyproject.toml":
-            tool = tomllib.loads(text).get("tool", {})
-            return tool.get("pytest") if isinstance(tool, dict) else tool
-        cfg = configparser.RawConfigParser()
-        cfg.read_string(text)
-        return {s: dict(cfg[s]) for s in cfg.sections() if s in ("tool:pytest", "pytest")}
-    except (tomllib.TOMLDecodeError, configparser.Error, RecursionError, ValueError):
-        return text
-
-
-def _config_changed(name: str, row: dict[str, Any], budget: list[int]) -> bool:
-    """Whether the pytest configuration of a changed pyproject.toml / setup.cfg changed, its
-    texts parsed from ``budget`` (bytes left, spent here); past it, unread, it did."""
-    before, after = row.get("before_text"), row.get("after_text")
-    if (row["after"] is not None and after is None) or (
-        row["before"] is not None and before is None
-    ):
-        # not a text the judge reads (a symlink, round 22): pytest still reads what it leads to
-        return True
-    if before == after:
-        return False
-    cost = len(before or "") + len(after or "")
-    if cost > budget[0]:
-        return True
-    budget[0] -= cost
-    if name == "setup.cfg" and _headers(before) != _headers(after):
-        # pytest reads setup.cfg with its own ini parser, which ends a header where
-        # configparser does not (round 21: ``[tool:pytest] #]`` is pytest's section and
-        # configparser's ``tool:pytest] #``): a section header added, removed or changed is a
-        # change of the runner's configuration, whoever's reading is right.
-        return True
-    return _pytest_sections(name, before) != _pytest_sections(name, after)
-
-
-def _headers(text: str | None) -> list[str]:
-    """The lines of an ini text that any reader may take for a section header."""
-    return [ln.strip() for ln in (text or "").splitlines() if ln.lstrip().startswith("[")]
-
-
-def _module_name(rest: str, *, link: bool = False) -> str | None:
-    """The top-level import name a path below an import root provides. ``link``: the path is a
-    symlink, which stands for whatever it leads to, a folder too (round 66: ``tests/ipdb``,
-    led to a package, was data by its name and a package to the import system)."""
-    top, sep, _ = rest.partition("/")
-    if sep or (link and top.isidentifier()):
-        return top if top.isidentifier() else None
-    for suffix in MODULE_SUFFIXES:
-        if top.endswith(suffix):
-            stem = top[: -len(suffix)].split(".", 1)[0]
-            return stem if stem.isidentifier() else None
-    return None
-
-
-def import_roots(task: Task, paths: set[str]) -> list[str]:
-    """Folders the runner puts on sys.path: the repository root, ``src/``, and the rootdir of
-    each test file under pytest's default import mode (its first folder without __init__.py)."""
-    roots = {"", "src/"}
-    for test in task.FAIL_TO_PASS + task.PASS_TO_PASS:
-        folder = PurePosixPath(test.split("::", 1)[0]).parent
-        while str(folder) != "." and f"{folder}/__init__.py" in paths:
-            folder = folder.parent
-        roots.add("" if str(folder) == "." else f"{folder}/")
-    return sorted(roots)
-
-
-def _runner_folders(runners: frozenset[str], base_paths: set[str]) -> set[str]:
-    """The folders of the scripts a task's command runs, which Python puts first on sys.path
-    (Django's ``tests/runtests.py``: ``tests/``). A runner in a package's folder is library
-    code the script imports (sympy's ``sympy/testing/runtests.py``), its folder no path entry."""
-    out = set()
-    for script in runners:
-        folder = str(PurePosixPath(script).parent)
-        prefix = "" if folder == "." else f"{folder}/"
-        if f"{prefix}__init__.py" not in base_paths:
-            out.add(prefix)
-    return out
-
-
-def _runner_file(parts: list[str]) -> bool:
-    """Run by name alone: conftest.py, pytest.ini…, a .pth, site hooks, and entry points in
-    distribution metadata (how pytest finds plugins to autoload)."""
-    name = parts[-1]
-    # importlib.metadata finds a distribution's folder in any case (round 63, read).
-    metadata = len(parts) > 1 and parts[-2].lower().endswith((".dist-info", ".egg-info"))
-    return (
-        name in RUNNER_FILES
-        or name.endswith(".pth")
-        or any(p.split(".", 1)[0] in SITE_HOOKS for p in parts)
-        or (metadata and name.lower() == "entry_points.txt")
-    )
-
-
-def judge(
-    rows: list[dict[str, Any]],
-    *,
-    hidden: set[str],
-    names: set[str],
-    roots: list[str],
-    base_paths: set[str],
-    runners: frozenset[str] = frozenset(),
-    whole_tree: bool = True,
-) -> list[tuple[str, str]]:
-    """(path, reason) of each changed path that breaks a rule, decided on the real tree, and
-    ``TEST_ADDED`` for a new test file that breaks none. ``whole_tree`` False: the rules as
-    before round 61 (a new test file is "tests_touched", a ``.gitattributes`` breaks none).
-    ``runners``: the scripts the task's test command runs (``tests/runtests.py``, ``bin/test``),
-    runner configuration like conftest.py. The work is bounded by the rows, not by what they
-    hold: configuration texts are parsed up to ``CONFIG_BUDGET``."""
-    tops = {r: {_module_name(p[len(r) :]) for p in base_paths if p.startswith(r)} for r in roots}
-    budget = [CONFIG_BUDGET]
-    # What a new file's names must not meet (rounds 62 to 65): linear in the base tree.
-    prefix_tops = _prefix_tops(base_paths) if whole_tree else {}
-    taken = _taken(names, prefix_tops, hidden) if whole_tree else set()
-    out = []
-    for row in rows:
-        path, before = row["path"], row["before"]
-        parts = path.split("/")
-        name = parts[-1]
-        link = row["after"] is not None and row["after"][0] == SYMLINK
-        reason = None
-        if any(p.casefold() == ".git" for p in parts):
-            reason = "git_dir_touched"
-        elif name == ".gitattributes" and whole_tree:
-            # How git writes files out (`ident`, `eol`, encodings) is no part of a fix, and the
-            # grader's git reads no attributes: a tree whose code reads its own text would be
-            # one thing here and another wherever git checks it out (round 61).
-            reason = "git_attributes"
-        elif path in hidden:
-            reason = "test_patch_path_created" if before is None else "tests_touched"
-        elif is_test_file(path) and (before is not None or not whole_tree):
-            reason = "tests_touched"
-        elif (
-            path in runners
-            or _runner_file(parts)
-            or (link and _runner_file([*parts, "entry_points.txt"]))
-            or (name in PYTEST_SECTIONS and _config_changed(name, row, budget))
-        ):
-            reason = "runner_config_touched"
-        elif "__pycache__" in parts or name.endswith((".pyc", ".pyo")):
-            reason = "bytecode_added"
-        elif row["after"] is not None:
-            for root in roots:
-                if not path.startswith(root):
-                    continue
-                mod = _module_name(path[len(root) :], link=link)
-                if not mod or mod in tops[root]:
-                    continue
-                # A new top-level name on a folder the runner puts on sys.path. Grading's own
-                # modules live in the ``legorl`` namespace. Since round 64 it must also be a
-                # test's name, one no module has: a runner tries imports no environment has
-                # (Django's ``import ipdb``), and a new root module of that name would run in
-                # test runs alone.
-                new = whole_tree and before is None
-                shadows = mod in names or mod.startswith("legorl")
-                if shadows or (new and (mod in taken or not _test_name(mod))):
-                    reason = "shadowing"
-                    break
-        if reason is None and before is None and is_test_file(path):
-            # A new test (a reproduction, a test of the fix's own) that breaks no other rule
-            # stays in the tree: the code under test sees the tree the patch makes. Unless it
-            # makes a package, or adds a file for a name its folder has, or a runner that puts
-            # one of its folders on sys.path (Django's puts tests/ first) would import it for
-            # a module the environment or the repository has (round 62).
-            inert = _inert(parts, taken, prefix_tops, base_paths, link=link)
-            reason = TEST_ADDED if inert else "shadowing"
-        if reason:
-            out.append((path, reason))
-    return out
-
-
-def _taken(names: set[str], prefix_tops: dict[str, set[str | None]], hidden: set[str]) -> set[str]:
-    """Every module name the environment, the repository (``prefix_tops``) and the hidden
-    tests have, at any depth: a test module imported by its name alone (pytest's default
-    import modes) must not find a new file of that name first, on any path."""
-    taken = set(names)
-    for tops_there in (*prefix_tops.values(), *_prefix_tops(hidden).values()):
-        taken.update(t for t in tops_there if t)
-    return taken
-
-
-def _prefix_tops(base_paths: set[str]) -> dict[str, set[str | None]]:
-    """For each folder of the base tree, the top-level import names below it."""
-    out: dict[str, set[str | None]] = {}
-    for path in base_paths:
-        parts = path.split("/")
-        for i in range(len(parts)):
-            prefix = "/".join(parts[:i]) + ("/" if i else "")
-            out.setdefault(prefix, set()).add(_module_name("/".join(parts[i:])))
-    return out
-
-
-def _test_name(mod: str) -> bool:
-    """A module named as pytest collects tests (``test_*``, ``*_test``)."""
-    return mod.startswith("test_") or mod.endswith("_test")
-
-
-def _inert(
-    parts: list[str],
-    taken: set[str],
-    prefix_tops: dict[str, set[str | None]],
-    base_paths: set[str],
-    *,
-    link: bool = False,
-) -> bool:
-    """Whether no import can take a new file for another module (``link``: a symlink, read as
-    a folder of its name too). A runner may put any folder above it on sys.path (Django's puts
-    tests/ first) and import any name there, one the environment has or one it only tries
-    (``import ipdb``, round 63): from each folder above it, a top-level name the file adds must
-    be a test's (``test_*``, ``*_test``) and none of ``taken`` (the environment's, the
-    repository's and the hidden tests' module names). A file that is no module (data) adds
-    none. No package's ``__init__`` is inert, nor a module in a package's folder: a framework
-    imports a package's members by walking it, whatever their names (Django's template tag
-    libraries, round 65)."""
-    if parts[-1].split(".", 1)[0] == "__init__":
-        return False
-    if _module_name(parts[-1], link=link) and "/".join([*parts[:-1], "__init__.py"]) in base_paths:
-        return False
-    for i in range(len(parts)):
-        prefix = "/".join(parts[:i]) + ("/" if i else "")
-        mod = _module_name("/".join(parts[i:]), link=link)
-        here = prefix_tops.get(prefix, set())
-        if not mod or (mod in here and i < len(parts) - 1):
-            continue  # no module, or a folder the tree has there already
-        # A name new here, or a second file for a name its folder has (``test_x.so`` beside
-        # ``test_x.py``: the import system tries extension modules first).
-        if mod in here or not _test_name(mod) or mod in taken:
-            return False
-    return True
-
-
 def _refuse(patch: str) -> tuple[str, str] | None:
-    if len(patch) > MAX_PATCH:
+    size = len(patch.encode("utf-8", "surrogatepass"))  # bytes, as the judged tree's patch
+    if size > MAX_PATCH:
         return "patch_too_large", (
-            f"the patch text is refused: {len(patch):,} characters, past the "
-            f"{MAX_PATCH:,} a patch may have"
+            f"the patch text is refused: {size:,} bytes, past the {MAX_PATCH:,} a patch may have"
         )
     try:
-        parse_strict(patch)
+        sections = parse_strict(patch)
     except PatchError as err:
         return err.flag, f"the patch text is refused: {err}"
+    paths, literal = _tree_cost(sections)
+    if paths > MAX_NEW_PATHS or literal > MAX_LITERAL_BYTES:
+        return "patch_too_large", (
+            f"the patch's tree is refused: {paths:,} new files and folders and {literal:,} bytes "
+            f"of binary files, past the {MAX_NEW_PATHS:,} and {MAX_LITERAL_BYTES:,} a patch may "
+            f"add"
+        )
     return None
+
+
+#: What a patch may add to its judged tree: half of a grading sandbox's repository tmpfs, in
+#: inodes and in bytes (binary files come compressed: their ``literal`` size is what they take),
+#: the other half the repository's own. A tree that could not fit is refused before any sandbox
+#: is made, the same on both backends, rather than found out by a full tmpfs (round 75: 283,000
+#: new files failed after 135 s; the backends' caps disagreed).
+MAX_NEW_PATHS = GRADING_REPO_INODES // 2
+MAX_LITERAL_BYTES = (GRADING_REPO_MB << 20) // 2
+
+
+def _tree_cost(sections: list[FileDiff]) -> tuple[int, int]:
+    """(new files and the folders they need, an upper bound; bytes of binary files written
+    whole) of a patch's sections."""
+    folders: set[str] = set()
+    files = literal = 0
+    for section in sections:
+        if section.creates:
+            files += 1
+            parts = section.path.split("/")[:-1]
+            prefix = ""
+            for part in parts:
+                prefix = f"{prefix}{part}/"
+                folders.add(prefix)
+        found = _LITERAL.search(section.text)
+        if found:
+            literal += int(found[1])
+    return files + len(folders), literal
+
+
+_LITERAL = re.compile(r"\nGIT binary patch\nliteral (\d{1,19})\n")
 
 
 #: One method's time to apply a patch: an 8 MiB patch whose hunks sit where their headers say
@@ -648,7 +421,7 @@ async def _judge_tree(
         judge,
         hidden={d.path for d in split_diff(task.test_patch)},
         names=set(found["names"]) - {"tree_probe"},
-        roots=sorted({*import_roots(task, after), *_runner_folders(runners, base_paths)}),
+        roots=sorted({*import_roots(task, after), *runner_folders(runners, base_paths)}),
         base_paths=base_paths,
         runners=runners,
         whole_tree=whole_tree,
