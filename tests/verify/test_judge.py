@@ -7,6 +7,7 @@ the strict reader and of the tree judge are checked without Docker.
 from __future__ import annotations
 
 import asyncio
+import os
 import textwrap
 from dataclasses import replace
 from pathlib import Path
@@ -226,6 +227,22 @@ def _binary_file_patch(tmp: Path, size: int) -> str:
     return subprocess.check_output([*git, "diff", "--binary"]).decode()
 
 
+def _binary_delta_patch(tmp: Path, times: int) -> str:
+    """A real ``git diff --binary`` that turns a committed 64 KiB of random bytes into that
+    many bytes ``times`` over: a ``delta`` hunk of copy instructions."""
+    import subprocess
+
+    repo = tmp / f"delta{times}"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    base = os.urandom(1 << 16)
+    (repo / "blob.bin").write_bytes(base)
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "add", "blob.bin"], check=True)
+    subprocess.run([*git, "commit", "-qm", "base"], check=True)
+    (repo / "blob.bin").write_bytes(base * times)
+    return subprocess.check_output([*git, "diff", "--binary"]).decode()
+
+
 def test_a_patch_whose_tree_cannot_fit_a_grading_sandbox_is_refused_before_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -241,12 +258,22 @@ def test_a_patch_whose_tree_cannot_fit_a_grading_sandbox_is_refused_before_one(
     assert refused is not None and refused[0] == "patch_too_large"
     assert "new files and folders" in refused[1]
     assert tree._refuse("".join(chains[: len(chains) // 2])) is None  # the control: half fits
+    # A rename makes its new path's folders as a new file does.
+    deep = "zz/" + "d/" * 49 + "f"
+    moved = f"diff --git a/README.md b/{deep}\nsimilarity index 100%\nrename from README.md\n"
+    assert tree._tree_cost(parse_strict(moved + f"rename to {deep}\n")) == (51, 0)
     # Binary files count by the size they are written at, not the compressed size they come in.
-    monkeypatch.setattr(tree, "MAX_LITERAL_BYTES", 1 << 20)
+    monkeypatch.setattr(tree, "MAX_BINARY_BYTES", 1 << 20)
     big, small = _binary_file_patch(tmp_path, 2 << 20), _binary_file_patch(tmp_path, 1 << 19)
     assert len(big) < 1 << 15
     assert (tree._refuse(big) or ("", ""))[0] == "patch_too_large"
     assert tree._refuse(small) is None
+    # A delta of a few copy instructions writes its base many times over: its target's size
+    # is read from the delta itself.
+    grown = _binary_delta_patch(tmp_path, times=40)
+    assert "\ndelta " in grown and len(grown) < 1 << 15
+    assert (tree._refuse(grown) or ("", ""))[0] == "patch_too_large"
+    assert tree._refuse(_binary_delta_patch(tmp_path, times=2)) is None
     # The text's own limit is in bytes, as the judged tree's patch is (round 75: characters).
     monkeypatch.setattr(tree, "MAX_PATCH", 1 << 16)
     wide = _new_file("notes.txt", "\u4e2d" * 30_000)

@@ -21,11 +21,13 @@ taken before the patch, so nothing the patch writes (hooks, config, attributes) 
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
 import json
 import re
 import secrets
 import shlex
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -222,45 +224,73 @@ def _refuse(patch: str) -> tuple[str, str] | None:
         sections = parse_strict(patch)
     except PatchError as err:
         return err.flag, f"the patch text is refused: {err}"
-    paths, literal = _tree_cost(sections)
-    if paths > MAX_NEW_PATHS or literal > MAX_LITERAL_BYTES:
+    paths, written = _tree_cost(sections)
+    if paths > MAX_NEW_PATHS or written > MAX_BINARY_BYTES:
         return "patch_too_large", (
-            f"the patch's tree is refused: {paths:,} new files and folders and {literal:,} bytes "
-            f"of binary files, past the {MAX_NEW_PATHS:,} and {MAX_LITERAL_BYTES:,} a patch may "
+            f"the patch's tree is refused: {paths:,} new files and folders and {written:,} bytes "
+            f"of binary files, past the {MAX_NEW_PATHS:,} and {MAX_BINARY_BYTES:,} a patch may "
             f"add"
         )
     return None
 
 
 #: What a patch may add to its judged tree: half of a grading sandbox's repository tmpfs, in
-#: inodes and in bytes (binary files come compressed: their ``literal`` size is what they take),
+#: inodes and in bytes (binary files come compressed: the size they are written at counts),
 #: the other half the repository's own. A tree that could not fit is refused before any sandbox
 #: is made, the same on both backends, rather than found out by a full tmpfs (round 75: 283,000
 #: new files failed after 135 s; the backends' caps disagreed).
 MAX_NEW_PATHS = GRADING_REPO_INODES // 2
-MAX_LITERAL_BYTES = (GRADING_REPO_MB << 20) // 2
+MAX_BINARY_BYTES = (GRADING_REPO_MB << 20) // 2
 
 
 def _tree_cost(sections: list[FileDiff]) -> tuple[int, int]:
-    """(new files and the folders they need, an upper bound; bytes of binary files written
-    whole) of a patch's sections."""
+    """(new files and the folders they need, an upper bound; bytes of binary files as they are
+    written) of a patch's sections. A rename or copy makes its new path as a new file does."""
     folders: set[str] = set()
-    files = literal = 0
+    files = written = 0
     for section in sections:
-        if section.creates:
+        if section.creates or section.new_path not in (section.old_path, "/dev/null"):
             files += 1
-            parts = section.path.split("/")[:-1]
             prefix = ""
-            for part in parts:
+            for part in section.path.split("/")[:-1]:
                 prefix = f"{prefix}{part}/"
                 folders.add(prefix)
-        found = _LITERAL.search(section.text)
-        if found:
-            literal += int(found[1])
-    return files + len(folders), literal
+        written += _binary_size(section.text)
+    return files + len(folders), written
 
 
-_LITERAL = re.compile(r"\nGIT binary patch\nliteral (\d{1,19})\n")
+_BINARY = re.compile(r"\nGIT binary patch\n(literal|delta) (\d{1,19})\n")
+
+
+def _binary_size(text: str) -> int:
+    """The size of the file a section's binary hunk writes: a ``literal`` block says it; a
+    ``delta`` block (a few copy instructions can make gigabytes of a base) holds it at the
+    start of its compressed data, after the base's size."""
+    found = _BINARY.search(text)
+    if found is None:
+        return 0
+    if found[1] == "literal":
+        return int(found[2])
+    data = bytearray()
+    for line in text[found.end() :].split("\n", 8)[:8]:
+        if not line:
+            break
+        width = ord(line[0]) - (ord("A") - 1 if line[0] <= "Z" else ord("a") - 27)
+        try:
+            data += base64.b85decode(line[1:])[:width]
+        except ValueError:
+            break
+    head = zlib.decompressobj().decompress(bytes(data), 32)
+    sizes, value, shift = [], 0, 0
+    for byte in head:
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            sizes.append(value)
+            value = shift = 0
+            if len(sizes) == 2:
+                return sizes[1]
+    return MAX_BINARY_BYTES + 1  # a delta whose sizes cannot be read: not applied here
 
 
 #: One method's time to apply a patch: an 8 MiB patch whose hunks sit where their headers say
