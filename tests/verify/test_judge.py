@@ -384,30 +384,30 @@ def test_the_tree_rules() -> None:
 
 
 def test_a_setup_cfg_header_the_two_ini_readers_split_differently_is_a_change() -> None:
+    touched = [("setup.cfg", "runner_config_touched")]
+
+    def flags(before: str | None, after: str, path: str = "setup.cfg") -> list[tuple[str, str]]:
+        row = _row(path, before=before is not None, before_text=before, after_text=after)
+        base = {"setup.cfg", "pkg/a.txt"}
+        return judge([row], hidden=set(), names=set(), roots=[""], base_paths=base)
+
     # Round 21: ``[tool:pytest] #]`` is pytest's section to its own ini reader and a section
     # named ``tool:pytest] #`` to configparser, so the pytest sections looked unchanged while
     # pytest read ``minversion = 99`` from them.
     before = "[metadata]\nname = toolz\n"
-    hidden = before + "[tool:pytest] #]\nminversion = 99\n"
-    assert judge(
-        [_row("setup.cfg", before=True, before_text=before, after_text=hidden)],
-        hidden=set(),
-        names=set(),
-        roots=[""],
-        base_paths={"setup.cfg"},
-    ) == [("setup.cfg", "runner_config_touched")]
+    assert flags(before, before + "[tool:pytest] #]\nminversion = 99\n") == touched
+    # Round 76: ``[x #]`` ends no section for pytest's reader (its comment cut, no header is
+    # left), so ``addopts`` stays in ``[tool:pytest]``; configparser puts it in ``[x #]``.
+    pytest_cfg = "[tool:pytest]\nmarkers = a\n"
+    assert flags(pytest_cfg, pytest_cfg + "[x #]\naddopts = -p no:x\n") == touched
+    # Round 75: a new setup.cfg that never names pytest is no reader's configuration; one
+    # that does is read strictly, a header alone being a change.
+    assert flags(None, "[metadata]\nname = x\n", "pkg/setup.cfg") == []
+    assert flags(None, "# pytest\n[x #]\n", "pkg/setup.cfg") == [
+        ("pkg/setup.cfg", "runner_config_touched")
+    ]
     # a change to a section's values alone, outside pytest's, is the package's own
-    kept = before.replace("toolz", "toolz2")
-    assert (
-        judge(
-            [_row("setup.cfg", before=True, before_text=before, after_text=kept)],
-            hidden=set(),
-            names=set(),
-            roots=[""],
-            base_paths={"setup.cfg"},
-        )
-        == []
-    )
+    assert flags(before, before.replace("toolz", "toolz2")) == []
 
 
 def test_a_pytest_config_the_judge_cannot_read_as_pytest_does_is_a_change() -> None:
@@ -434,7 +434,7 @@ def test_a_runner_config_too_long_to_parse_quickly_stays_text() -> None:
     # or changed text is a changed configuration.
     from legorl.verify.tree_rules import CONFIG_LINE, _pytest_sections
 
-    long = "[metadata]\nsummary" + " " * (CONFIG_LINE * 60) + "plane\n"
+    long = "[tool:pytest]\naddopts" + " " * (CONFIG_LINE * 60) + "-q\n"
     assert _pytest_sections("setup.cfg", long) == long
     assert _pytest_sections("setup.cfg", "[tool:pytest]\naddopts=-q\n") == {
         "tool:pytest": {"addopts": "-q"}
@@ -456,7 +456,7 @@ def test_the_judge_parses_a_bounded_amount_of_runner_configuration(
     from legorl.verify import tree_rules as tree
 
     line = "a" + " " * (tree.CONFIG_LINE - 3) + "b\n"
-    crafted = "#\x00\n[s]\n" + line * 63
+    crafted = "#\x00 pytest\n[s]\n" + line * 63  # it names pytest: read, not passed over
     # (each had the same section header before: a header added is a change, unread)
     rows = [
         _row(f"d{i}/setup.cfg", before=True, before_text="[s]\n", after_text=crafted)
@@ -473,8 +473,8 @@ def test_the_judge_parses_a_bounded_amount_of_runner_configuration(
     kept = _row(
         "setup.cfg",
         before=True,
-        before_text="[metadata]\nname = a\n",
-        after_text="[metadata]\nname = b\n",
+        before_text="[metadata]\nname = a\n[tool:pytest]\naddopts = -q\n",
+        after_text="[metadata]\nname = b\n[tool:pytest]\naddopts = -q\n",
     )
     changed = _row("setup.cfg", before=True, before_text="[tool:pytest]\n", after_text=crafted)
     assert judge([kept], hidden=set(), names=set(), roots=[""], base_paths=set()) == []

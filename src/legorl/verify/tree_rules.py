@@ -83,6 +83,10 @@ def _config_changed(name: str, row: dict[str, Any], budget: list[int]) -> bool:
         return True
     if before == after:
         return False
+    if name == "setup.cfg" and not any("pytest" in (t or "").casefold() for t in (before, after)):
+        # No reader finds pytest's section in a text that never names it (round 75: a new
+        # setup.cfg of ``[metadata]`` below the root read as a runner's configuration).
+        return False
     cost = len(before or "") + len(after or "")
     if cost > budget[0]:
         return True
@@ -90,20 +94,17 @@ def _config_changed(name: str, row: dict[str, Any], budget: list[int]) -> bool:
     if name == "setup.cfg" and _headers(before) != _headers(after):
         # pytest reads setup.cfg with its own ini parser, which ends a header where
         # configparser does not (round 21: ``[tool:pytest] #]`` is pytest's section and
-        # configparser's ``tool:pytest] #``): a header that names pytest added, removed or
-        # changed is a change of the runner's configuration, whoever's reading is right. A
-        # header that does not (``[metadata]``) is no reader's pytest section (round 75).
+        # configparser's ``tool:pytest] #``; round 76: ``[x #]`` ends no section for it,
+        # so the keys below stay in ``[tool:pytest]``): a header added, removed or changed
+        # in a text that names pytest is a change of the runner's configuration, whoever's
+        # reading is right.
         return True
     return _pytest_sections(name, before) != _pytest_sections(name, after)
 
 
 def _headers(text: str | None) -> list[str]:
-    """The lines of an ini text that any reader may take for pytest's section header."""
-    return [
-        ln.strip()
-        for ln in (text or "").splitlines()
-        if ln.lstrip().startswith("[") and "pytest" in ln.casefold()
-    ]
+    """The lines of an ini text that any reader may take for a section header."""
+    return [ln.strip() for ln in (text or "").splitlines() if ln.lstrip().startswith("[")]
 
 
 def _module_name(rest: str, *, link: bool = False) -> str | None:
