@@ -281,6 +281,41 @@ def test_a_patch_whose_tree_cannot_fit_a_grading_sandbox_is_refused_before_one(
     assert (tree._refuse(wide) or ("", ""))[0] == "patch_too_large"
 
 
+def test_what_the_reader_cannot_take_is_the_patchs_refusal_never_the_judges_error() -> None:
+    # Round 77: a header without paths raised IndexError, a lone surrogate UnicodeEncodeError,
+    # a delta that is no zlib stream zlib.error; a literal size written with leading zeros
+    # was read as 0 bytes (git reads it with strtoul: 1 GiB here), and a path longer than any
+    # file system takes cost the count memory quadratic in its length.
+    import base64
+
+    from legorl.verify import tree
+
+    delta = base64.b85encode(bytes(20)).decode()
+    zeros = (
+        _new_file("x.bin", "x\n")
+        .split("@@")[0]
+        .replace(
+            "--- /dev/null\n+++ b/x.bin\n", "GIT binary patch\nliteral 0000000000000001073741824\n"
+        )
+    )
+    cases = {
+        "no paths": "diff --git \n",
+        "surrogate": _new_file("a\udcff.py", "x\n"),
+        "not zlib": f"diff --git a/x.bin b/x.bin\nindex 1234567..89abcde 100644\n"
+        f"GIT binary patch\ndelta 20\nT{delta}\n\n",
+        "zero-padded": zeros + f"T{delta}\n\n",
+        "long path": _new_file("d/" * 2048 + "f", "x\n"),
+        "long name": _new_file("n" * 256, "x\n"),
+    }
+    for name, text in cases.items():
+        got = tree._refuse(text)
+        assert got is not None and got[0] in ("malformed_patch", "patch_too_large"), (name, got)
+    # the control: a path of 4,095 bytes, names of 255, is one git writes, and is counted
+    fits = "zz/" + ("n" * 255 + "/") * 15 + "f" * 252
+    assert len(fits) == 4095 and tree._refuse(_new_file(fits, "x\n")) is None
+    assert tree._tree_cost(parse_strict(_new_file(fits, "x\n"))) == (17, 0)
+
+
 def test_the_strict_reader_refuses_what_git_and_we_could_read_differently() -> None:
     good = _new_file("a b.py", "x = 1\n")
     assert [d.path for d in parse_strict(good)] == ["a b.py"]
@@ -406,6 +441,10 @@ def test_a_setup_cfg_header_the_two_ini_readers_split_differently_is_a_change() 
     assert flags(None, "# pytest\n[x #]\n", "pkg/setup.cfg") == [
         ("pkg/setup.cfg", "runner_config_touched")
     ]
+    # Round 77: configparser folds a key's case, pytest's reader does not: ``FilterWarnings``
+    # is no option of pytest's, so the renamed key dropped ``filterwarnings = error``.
+    strict = "[tool:pytest]\nfilterwarnings =\n    error\n"
+    assert flags(strict, strict.replace("filterwarnings", "FilterWarnings")) == touched
     # a change to a section's values alone, outside pytest's, is the package's own
     assert flags(before, before.replace("toolz", "toolz2")) == []
 
@@ -426,6 +465,15 @@ def test_a_pytest_config_the_judge_cannot_read_as_pytest_does_is_a_change() -> N
         assert flags(**row) == [("setup.cfg", "runner_config_touched")], repr(brk)
     plain = _row("setup.cfg", before=True, before_text=before, after_text=before + "# note\n")
     assert flags(**plain) == []  # a comment is still no change
+    # Round 77: pytest 8.1+ takes a pyproject.toml with no pytest section for its configuration
+    # file where no other is found, which moves the rootdir and the folder above which no
+    # conftest.py loads: a new one is a change whatever it holds; an edit outside pytest's
+    # section, the control, is not.
+    project = '[project]\nname = "x"\n'
+    new = _row("pyproject.toml", before_text=None, after_text=project)
+    assert flags(**new) == [("pyproject.toml", "runner_config_touched")]
+    edit = _row("pyproject.toml", before=True, before_text=project, after_text=project + "#\n")
+    assert flags(**edit) == []
 
 
 def test_a_runner_config_too_long_to_parse_quickly_stays_text() -> None:

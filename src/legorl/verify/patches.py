@@ -185,6 +185,10 @@ def _unquote(name: str, line: int) -> str:
         raise PatchError(line, f"path {name!r} is not UTF-8") from None
 
 
+#: The longest path below the tree a patch may name (bytes): the kernel's limit, less one.
+PATH_BYTES = 4095
+
+
 def check_path(path: str, line: int) -> str:
     """``path`` if grading may let a patch write it: relative, no empty, ``.`` or ``..`` part,
     nothing under a ``.git`` (in any case)."""
@@ -195,6 +199,11 @@ def check_path(path: str, line: int) -> str:
         raise PatchError(line, f"path {path!r} is inside a .git folder", "git_dir_touched")
     if any(p in ("", ".", "..") for p in parts):
         raise PatchError(line, f"path {path!r} has an empty, '.' or '..' part")
+    size = len(path.encode("utf-8", "surrogateescape"))
+    if size > PATH_BYTES or any(len(p.encode("utf-8", "surrogateescape")) > 255 for p in parts):
+        # no file system makes it (git would fail to write it), and each of its folders costs
+        # the count of what the patch adds (round 77)
+        raise PatchError(line, f"path of {size:,} bytes is longer than a file system allows")
     return path
 
 
@@ -212,6 +221,8 @@ def _side(name: str, prefix: str, line: int) -> str | None:
 def _header_paths(rest: str, line: int) -> tuple[str, str] | None:
     """(old, new) from ``a/OLD b/NEW`` when that is unambiguous, else None (paths with spaces:
     then the other lines must name them)."""
+    if not rest.strip():
+        raise PatchError(line, "a 'diff --git' header without paths")
     if rest.startswith('"'):
         end = rest.find('"', 1)
         while end > 0 and rest[end - 1] == "\\":

@@ -215,7 +215,10 @@ async def probe(sandbox: Sandbox, mode: str, python: str = "python3", **req: Any
 
 
 def _refuse(patch: str) -> tuple[str, str] | None:
-    size = len(patch.encode("utf-8", "surrogatepass"))  # bytes, as the judged tree's patch
+    try:
+        size = len(patch.encode("utf-8"))  # bytes, as the judged tree's patch
+    except UnicodeEncodeError as err:  # a lone surrogate (JSON allows one): no file holds it
+        return "malformed_patch", f"the patch text is refused: no UTF-8 at character {err.start}"
     if size > MAX_PATCH:
         return "patch_too_large", (
             f"the patch text is refused: {size:,} bytes, past the {MAX_PATCH:,} a patch may have"
@@ -224,6 +227,8 @@ def _refuse(patch: str) -> tuple[str, str] | None:
         sections = parse_strict(patch)
     except PatchError as err:
         return err.flag, f"the patch text is refused: {err}"
+    except (ValueError, IndexError) as err:  # the reader's own failure: still the text's
+        return "malformed_patch", f"the patch text is refused: {type(err).__name__}: {err}"
     paths, written = _tree_cost(sections)
     if paths > MAX_NEW_PATHS or written > MAX_BINARY_BYTES:
         return "patch_too_large", (
@@ -245,21 +250,22 @@ MAX_BINARY_BYTES = (GRADING_REPO_MB << 20) // 2
 
 def _tree_cost(sections: list[FileDiff]) -> tuple[int, int]:
     """(new files and the folders they need, an upper bound; bytes of binary files as they are
-    written) of a patch's sections. A rename or copy makes its new path as a new file does."""
-    folders: set[str] = set()
+    written) of a patch's sections. A rename or copy makes its new path as a new file does.
+    Folders are counted as (parent, name) pairs, linear in the paths' length (round 77: every
+    prefix of a deep path, kept as a string, took memory quadratic in it)."""
+    folders: dict[tuple[int, str], int] = {}
     files = written = 0
     for section in sections:
         if section.creates or section.new_path not in (section.old_path, "/dev/null"):
             files += 1
-            prefix = ""
+            node = 0
             for part in section.path.split("/")[:-1]:
-                prefix = f"{prefix}{part}/"
-                folders.add(prefix)
+                node = folders.setdefault((node, part), len(folders) + 1)
         written += _binary_size(section.text)
     return files + len(folders), written
 
 
-_BINARY = re.compile(r"\nGIT binary patch\n(literal|delta) (\d{1,19})\n")
+_BINARY = re.compile(r"\nGIT binary patch\n(literal|delta) 0*(\d*)\n")
 
 
 def _binary_size(text: str) -> int:
@@ -269,8 +275,10 @@ def _binary_size(text: str) -> int:
     found = _BINARY.search(text)
     if found is None:
         return 0
+    if len(found[2]) > 18:  # git reads the size with strtoul: zeros before it count nothing
+        return MAX_BINARY_BYTES + 1
     if found[1] == "literal":
-        return int(found[2])
+        return int(found[2] or 0)
     data = bytearray()
     for line in text[found.end() :].split("\n", 8)[:8]:
         if not line:
@@ -280,7 +288,10 @@ def _binary_size(text: str) -> int:
             data += base64.b85decode(line[1:])[:width]
         except ValueError:
             break
-    head = zlib.decompressobj().decompress(bytes(data), 32)
+    try:
+        head = zlib.decompressobj().decompress(bytes(data), 32)
+    except zlib.error:
+        return MAX_BINARY_BYTES + 1  # git cannot apply it either
     sizes, value, shift = [], 0, 0
     for byte in head:
         value |= (byte & 0x7F) << shift

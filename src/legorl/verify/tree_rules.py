@@ -65,6 +65,8 @@ def _pytest_sections(name: str, text: str | None) -> Any:
             tool = tomllib.loads(text).get("tool", {})
             return tool.get("pytest") if isinstance(tool, dict) else tool
         cfg = configparser.RawConfigParser()
+        # pytest's reader keeps a key's case: ``FilterWarnings`` is no option of its (round 77)
+        cfg.optionxform = str  # type: ignore[assignment,method-assign]
         cfg.read_string(text)
         # no pytest section is no configuration, as no file is (round 75)
         return {s: dict(cfg[s]) for s in cfg.sections() if s in ("tool:pytest", "pytest")} or None
@@ -80,6 +82,11 @@ def _config_changed(name: str, row: dict[str, Any], budget: list[int]) -> bool:
         row["before"] is not None and before is None
     ):
         # not a text the judge reads (a symlink, round 22): pytest still reads what it leads to
+        return True
+    if name == "pyproject.toml" and (row["before"] is None) != (row["after"] is None):
+        # pytest 8.1+ takes any pyproject.toml for its configuration file where no other is
+        # found, pytest section or none: a new one moves the rootdir and the folder above
+        # which no conftest.py loads (round 77)
         return True
     if before == after:
         return False
