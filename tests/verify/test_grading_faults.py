@@ -181,11 +181,11 @@ def test_a_correct_fix_with_odd_but_harmless_files_is_graded(backend_name: str) 
     backends: a text with a form feed (the patch reader split lines where git does not), a
     path of 4,090 bytes (the tree probe opened it below /testbed, past the kernel's limit), a
     ``setup.cfg`` below the repository with no pytest section (read as a runner's
-    configuration). Each gets 1.0 now; the control, a ``setup.cfg`` there with a pytest
+    configuration). Each gets 1.0 now (the path at 4,095 bytes, the most there is); the control, a ``setup.cfg`` there with a pytest
     section, is a runner's configuration still."""
     task = _task()
-    long = "zz-data/" + ("d" * 250 + "/") * 16 + "f" * 66
-    assert len(long.encode()) == 4090
+    long = "zz-data/" + ("d" * 250 + "/") * 16 + "f" * 71  # the longest a file system takes
+    assert len(long.encode()) == 4095
     patches = {
         "formfeed": _new_file("zz-notes.txt", "page one\fpage two\nline\u2028end"),
         "long path": _new_file(long, "data"),

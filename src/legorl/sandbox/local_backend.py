@@ -450,14 +450,14 @@ def _chown_tree(path: Path, uid: int) -> None:
     top = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         os.chown(top, uid, uid)
-        folders = ["."]
+        folders = [""]  # relative names with no "./" before them: a 4,095-byte path fits
         while folders:
             folder = folders.pop()
-            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
+            fd = os.open(folder or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
             try:
                 with os.scandir(fd) as entries:
                     for entry in entries:
-                        name = f"{folder}/{entry.name}"
+                        name = f"{folder}/{entry.name}" if folder else entry.name
                         os.chown(name, uid, uid, dir_fd=top, follow_symlinks=False)
                         if entry.is_dir(follow_symlinks=False):
                             folders.append(name)
