@@ -415,7 +415,10 @@ def main(request_path: str) -> int:
     if git.get("objects"):
         os.makedirs(git["objects"], exist_ok=True)
     result: dict[str, Any] = {}
-    back = os.open(".", os.O_RDONLY | os.O_DIRECTORY)
+    try:  # the folder to go back to (a test calls main in its own process)
+        back: int | None = os.open(".", os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:  # a cwd this user cannot read: nothing to go back to
+        back = None
     try:
         if os.path.islink(root) or not os.path.isdir(root):
             raise RuntimeError(f"{root} is not a folder")
@@ -448,8 +451,9 @@ def main(request_path: str) -> int:
     except (OSError, RuntimeError) as exc:
         result = {"error": f"{type(exc).__name__}: {exc}"}
     finally:
-        os.fchdir(back)
-        os.close(back)
+        if back is not None:
+            os.fchdir(back)
+            os.close(back)
     with open(out, "w") as fh:
         json.dump(result, fh)
     if req.get("print"):
