@@ -227,8 +227,6 @@ def _refuse(patch: str) -> tuple[str, str] | None:
         sections = parse_strict(patch)
     except PatchError as err:
         return err.flag, f"the patch text is refused: {err}"
-    except (ValueError, IndexError) as err:  # the reader's own failure: still the text's
-        return "malformed_patch", f"the patch text is refused: {type(err).__name__}: {err}"
     paths, written = _tree_cost(sections)
     if paths > MAX_NEW_PATHS or written > MAX_BINARY_BYTES:
         return "patch_too_large", (
