@@ -435,6 +435,12 @@ def test_a_setup_cfg_header_the_two_ini_readers_split_differently_is_a_change() 
     # left), so ``addopts`` stays in ``[tool:pytest]``; configparser puts it in ``[x #]``.
     pytest_cfg = "[tool:pytest]\nmarkers = a\n"
     assert flags(pytest_cfg, pytest_cfg + "[x #]\naddopts = -p no:x\n") == touched
+    # Round 78: the same header already there, and keys added below it: where a header is
+    # not plain to both readers, any change of a text that names pytest is a change.
+    odd = pytest_cfg + "[x #]\n"
+    assert flags(odd, odd + "addopts = -p no:x\n") == touched
+    plain = pytest_cfg + "[flake8]\n"
+    assert flags(plain, plain + "max-line-length = 99\n") == []  # the control
     # Round 75: a new setup.cfg that never names pytest is no reader's configuration; one
     # that does is read strictly, a header alone being a change.
     assert flags(None, "[metadata]\nname = x\n", "pkg/setup.cfg") == []

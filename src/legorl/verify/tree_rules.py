@@ -9,6 +9,7 @@ names each rule-breaking path and its reason; ``tree.py`` puts those back and ap
 from __future__ import annotations
 
 import configparser
+import re
 import tomllib
 from pathlib import PurePosixPath
 from typing import Any
@@ -98,7 +99,9 @@ def _config_changed(name: str, row: dict[str, Any], budget: list[int]) -> bool:
     if cost > budget[0]:
         return True
     budget[0] -= cost
-    if name == "setup.cfg" and _headers(before) != _headers(after):
+    if name == "setup.cfg" and (
+        _headers(before) != _headers(after) or not all(map(_plain_header, _headers(after)))
+    ):
         # pytest reads setup.cfg with its own ini parser, which ends a header where
         # configparser does not (round 21: ``[tool:pytest] #]`` is pytest's section and
         # configparser's ``tool:pytest] #``; round 76: ``[x #]`` ends no section for it,
@@ -107,6 +110,13 @@ def _config_changed(name: str, row: dict[str, Any], budget: list[int]) -> bool:
         # reading is right.
         return True
     return _pytest_sections(name, before) != _pytest_sections(name, after)
+
+
+def _plain_header(line: str) -> bool:
+    """A header both readers end where it ends: ``[name]`` with no ``#`` or ``;`` (pytest's
+    reader cuts a comment first, then reads a line that no longer ends in ``]`` as the value
+    above it: round 78, keys added below an existing ``[x #]`` stayed in ``[tool:pytest]``)."""
+    return re.fullmatch(r"\[[^\[\]#;]*\]", line) is not None
 
 
 def _headers(text: str | None) -> list[str]:
