@@ -444,9 +444,17 @@ def test_a_setup_cfg_header_the_two_ini_readers_split_differently_is_a_change() 
     # Round 75: a new setup.cfg that never names pytest is no reader's configuration; one
     # that does is read strictly, a header alone being a change.
     assert flags(None, "[metadata]\nname = x\n", "pkg/setup.cfg") == []
-    assert flags(None, "# pytest\n[x #]\n", "pkg/setup.cfg") == [
+    assert flags(None, "[x #]\n[tool:pytest] #]\n", "pkg/setup.cfg") == [
         ("pkg/setup.cfg", "runner_config_touched")
     ]
+    # Round 79: pytest named only in a value (a package's test extras) is no header of its;
+    # a header behind a byte-order mark (pytest's reader drops it) or a line break only
+    # pytest's reader splits at still is one.
+    extras = "[metadata]\nname = x\n[options.extras_require]\ntest = pytest\n"
+    assert flags(None, extras) == []
+    assert flags(None, "\ufeff[tool:pytest]\naddopts = -p no:x\n") == touched
+    assert flags(None, "[metadata]\n# x\x0c[tool:pytest]\naddopts = -p no:x\n") == touched
+    assert flags(extras, extras + "[tool:pytest]\naddopts = -p no:x\n") == touched
     # Round 77: configparser folds a key's case, pytest's reader does not: ``FilterWarnings``
     # is no option of pytest's, so the renamed key dropped ``filterwarnings = error``.
     strict = "[tool:pytest]\nfilterwarnings =\n    error\n"

@@ -901,6 +901,22 @@ def test_a_computed_expected_value_is_the_gold_runs(tmp_path: Path) -> None:
     assert outcomes[f"{TESTS}::test_symmetric"] == "passed"  # the control
 
 
+def test_a_value_the_tests_own_equality_takes_meets_the_gold_runs(tmp_path: Path) -> None:
+    # Round 79: the gold fix answered 4.0, a correct fix 4, and the task's own tests passed on
+    # both; the gold pin took only the gold run's exact type, so the fix scored 0.
+    verdicts, outcomes = _judge(tmp_path / "float", "def area(w, h):\n    return float(w * h)\n")
+    for name in ("test_area", "test_symmetric"):
+        assert verdicts[f"{TESTS}::{name}"].outcome == "passed"
+        assert outcomes[f"{TESTS}::{name}"] == "passed"
+    # ``isinstance(area(2, 2), int)`` still tells them apart, as the test does.
+    assert verdicts[f"{TESTS}::test_type"].outcome == "failed"
+    # The control: a value the test's ``==`` does not take for the gold run's still fails.
+    verdicts, outcomes = _judge(tmp_path / "off", "def area(w, h):\n    return w * h + 0.5\n")
+    symmetric = verdicts[f"{TESTS}::test_symmetric"]
+    assert symmetric.outcome == "failed" and "gold run" in symmetric.detail
+    assert outcomes[f"{TESTS}::test_symmetric"] == "passed"
+
+
 def test_a_test_whose_assertions_are_skipped_fails(tmp_path: Path) -> None:
     # The code under test silences the sender: no events, while every test passes in process.
     silencer = GOLD + "import builtins\nbuiltins.__legorl__.check = lambda *a: None\n"

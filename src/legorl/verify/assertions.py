@@ -861,19 +861,19 @@ def _event_failure(
             )
         if expected is not None and (site.op in _EQ or (site.op == "in" and i == 1 and pin_in)):
             pinned = gold.value(key, index, i)
-            if pinned is not _MISSING and not _same(value, pinned):
+            if pinned is not _MISSING and not _equal(value, pinned):
                 return Judgement("failed", detail=f"{site.id}: differs from the gold run's value")
         values.append(value)
     if expected is not None and pin_in and site.op == "raises" and _checks_message(site):
         pinned = gold.value(key, index, 1)
         said = event.values[1] if len(event.values) > 1 else _MISSING
-        if pinned is not _MISSING and not _same(said, pinned):
+        if pinned is not _MISSING and not _equal(said, pinned):
             return Judgement("failed", detail=f"{site.id}: the message differs from the gold run's")
     if expected is not None and site.extra.get("computed") and site.op in _COMPUTED_AT:
         # The message the test computed is the gold run's: a computed expected value.
         at = _COMPUTED_AT[site.op]
         pinned = gold.value(key, index, at)
-        if pinned is not _MISSING and not _same(_wanted_message(site, event), pinned):
+        if pinned is not _MISSING and not _equal(_wanted_message(site, event), pinned):
             return Judgement(
                 "failed", detail=f"{site.id}: the expected message differs from the gold run's"
             )
@@ -1033,6 +1033,14 @@ def _apart(a: Any, b: Any) -> list[Any]:
         else:
             del rest[match]
     return only_a + rest
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Equal as the test's own ``==`` finds plain data: a candidate's value meets the gold
+    run's where the test would take one for the other (round 79: ``4`` where the gold fix
+    returns ``4.0`` is what ``assert median(xs) == 4`` accepts). Both sides are rebuilt plain
+    data, so no method of the judged code's runs here."""
+    return bool(a == b)
 
 
 def _same(a: Any, b: Any) -> bool:

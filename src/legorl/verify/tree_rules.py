@@ -91,9 +91,10 @@ def _config_changed(name: str, row: dict[str, Any], budget: list[int]) -> bool:
         return True
     if before == after:
         return False
-    if name == "setup.cfg" and not any("pytest" in (t or "").casefold() for t in (before, after)):
-        # No reader finds pytest's section in a text that never names it (round 75: a new
-        # setup.cfg of ``[metadata]`` below the root read as a runner's configuration).
+    if name == "setup.cfg" and not any(map(_names_pytest_section, (before, after))):
+        # No reader finds pytest's section in a text with no header that could name it
+        # (round 75: a new setup.cfg of ``[metadata]``; round 79: one whose extras list
+        # ``test = pytest``, read as a runner's configuration).
         return False
     cost = len(before or "") + len(after or "")
     if cost > budget[0]:
@@ -110,6 +111,17 @@ def _config_changed(name: str, row: dict[str, Any], budget: list[int]) -> bool:
         # reading is right.
         return True
     return _pytest_sections(name, before) != _pytest_sections(name, after)
+
+
+def _names_pytest_section(text: str | None) -> bool:
+    """Whether some line of ``text``, split wherever any reader splits, may be a header naming
+    pytest: ``pytest`` (case-folded) after a ``[``. A section name is text after the ``[`` of
+    its own line, whatever the reader cuts before it (a byte-order mark, blanks)."""
+    for line in (text or "").splitlines():
+        _, bracket, rest = line.partition("[")
+        if bracket and "pytest" in rest.casefold():
+            return True
+    return False
 
 
 def _plain_header(line: str) -> bool:
