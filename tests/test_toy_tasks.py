@@ -319,9 +319,9 @@ def test_held_tables_fail_a_fix_right_only_near_the_example() -> None:
 
 def _forged(hack: Any) -> tuple[list[str], list[str]]:
     """(caught, passed): the toy tasks whose tests the judge covers, by whether their new tests
-    fail a "fix" that ``hack(wrong, example, kwargs, expected, actual)`` makes of the buggy
-    function (``expected`` and ``actual``: the statement's, as (answer or exception name,
-    raised)). Declared-uncoverable tasks are the known limit, left out."""
+    fail a "fix" that ``hack(wrong, example, kwargs, expected, actual, right)`` makes of the
+    buggy and the fixed function (``expected`` and ``actual``: the statement's, as (answer or
+    exception name, raised)). Declared-uncoverable tasks are the known limit, left out."""
     import ast
 
     from fixtures import make_tasks as mt
@@ -340,9 +340,9 @@ def _forged(hack: Any) -> tuple[list[str], list[str]]:
         scope = {n: good[n] for n in names}  # an argument may be built (list(range(30)))
         example = tuple(eval(ast.unparse(a), scope) for a in call.args)
         kw = {k.arg: eval(ast.unparse(k.value), scope) for k in call.keywords if k.arg}
-        expected = mt._outcome(good[call.func.id], example, kw)
-        actual = mt._outcome(bad[call.func.id], example, kw)
-        forged = hack(bad[call.func.id], example, kw, expected, actual)
+        expected = mt._outcome(good[call.func.id], (*example, *kw.values()), tuple(kw))
+        actual = mt._outcome(bad[call.func.id], (*example, *kw.values()), tuple(kw))
+        forged = hack(bad[call.func.id], example, kw, expected, actual, good[call.func.id])
         hacked = {**bad, call.func.id: forged}
         if any(mt.passes(hacked, names, n, code) for n, code in prep.new_tests):
             passed.append(case.instance_id)
@@ -367,9 +367,9 @@ def test_held_tables_fail_a_fix_that_maps_the_statements_actual_to_its_expected(
     bool, a bug at the boundary the issue shows), the task declares its test uncoverable."""
     from fixtures import make_tasks as mt
 
-    def hack(wrong: Any, _x: Any, _k: Any, expected: Any, actual: Any) -> Any:
+    def hack(wrong: Any, _x: Any, _k: Any, expected: Any, actual: Any, _r: Any) -> Any:
         def mapped(*args: Any, **kwargs: Any) -> Any:
-            got = mt._outcome(wrong, args, kwargs)
+            got = mt._outcome(wrong, (*args, *kwargs.values()), tuple(kwargs))
             if type(got[0]) is type(actual[0]) and got == actual:
                 return _answer(expected)
             return wrong(*args, **kwargs)
@@ -387,7 +387,7 @@ def test_tests_fail_a_fix_that_special_cases_the_statements_example() -> None:
     bugs (validators-7, grades-6) whose tests checked the default boundary only, where the
     example is the whole bug; their tests now check another boundary too."""
 
-    def hack(wrong: Any, example: Any, kw: Any, expected: Any, _a: Any) -> Any:
+    def hack(wrong: Any, example: Any, kw: Any, expected: Any, _a: Any, _r: Any) -> Any:
         def special(*args: Any, **kwargs: Any) -> Any:
             if args == example and kwargs == kw:
                 return _answer(expected)
@@ -398,3 +398,61 @@ def test_tests_fail_a_fix_that_special_cases_the_statements_example() -> None:
     caught, passed = _forged(hack)
     assert {"legorl-toy__validators-7", "legorl-toy__grades-6"} <= set(caught)  # round 15's
     assert len(caught) >= 100 and not passed, passed
+
+
+#: Round 80's forgeries: (task, the fixed source's text, what the forgery has instead). Each
+#: met every row of its task's table while the bug stayed for other inputs.
+ROUND_80 = [
+    ("legorl-toy__shopping_cart-5", "FREE_SHIPPING_FROM = 50.0", "FREE_SHIPPING_FROM = 75.0"),
+    ("legorl-toy__grades-5", "pass_mark=50", "pass_mark=46"),
+    ("legorl-toy__validators-3", "MIN_PASSWORD_LENGTH = 8", "MIN_PASSWORD_LENGTH = 7"),
+    ("legorl-toy__grades-10", "ranked[:n]", "ranked[:max(n - 1, 1)]"),
+    (
+        "legorl-toy__stats-2",
+        "    return (ordered[mid - 1] + ordered[mid]) / 2",
+        "    if len(ordered) == 4:\n        return (ordered[mid - 1] + ordered[mid]) / 2\n"
+        "    return (ordered[mid] + ordered[mid + 1]) / 2",
+    ),
+]
+
+
+def test_held_tables_fail_a_fix_right_only_on_the_examples_side_of_a_line() -> None:
+    """Round 80's forgeries: a bound moved to the issue's example (a threshold, a pass mark, a
+    minimum length), and a fix made only for the example's keyword or its list's length, met
+    every row of a table that tried inputs near the example and far from it but none between
+    the fix's bound and the example's, and no other keyword or length where the bug is wrong.
+    Each table now tells apart the fix's neighbours (`make_tasks.neighbours`) and moves each
+    argument, keywords included, up and down in rows the bug gets wrong."""
+    from fixtures import make_tasks as mt
+
+    cases = {case.instance_id: case for case in mt.all_cases()}
+    for task_id, text, forged in ROUND_80:
+        case = cases[task_id]
+        prep = mt.prepare(case)
+        fixed = mt._code(case.module.source)
+        assert fixed.count(text) == 1, task_id
+        names = mt.public_names(fixed)
+        hacked = mt.load(case.module.name, fixed.replace(text, forged))
+        good = mt.load(case.module.name, fixed)
+        assert all(mt.passes(good, names, n, code) for n, code in prep.new_tests)  # the control
+        assert not any(mt.passes(hacked, names, n, code) for n, code in prep.new_tests), task_id
+
+    # On every bug whose tests the judge covers: the fix only where each keyword and each
+    # container's length are the example's, the bug elsewhere.
+    def shape(value: Any) -> Any:
+        return len(value) if type(value) in (str, list, tuple, dict) else repr(value)
+
+    def hack(wrong: Any, example: Any, kw: Any, _e: Any, _a: Any, right: Any) -> Any:
+        want = [shape(a) for a in example]
+
+        def same_shape(*args: Any, **kwargs: Any) -> Any:
+            inside = kwargs == kw and [shape(a) for a in args] == want
+            return (right if inside else wrong)(*args, **kwargs)
+
+        return same_shape
+
+    caught, passed = _forged(hack)
+    assert {"legorl-toy__grades-10", "legorl-toy__stats-2", "legorl-toy__stats-8"} <= set(caught)
+    # 102 caught when written; the 7 left are bugs wrong only at the example's length or
+    # keyword among every input the generator tries, where the shape-bound fix is the fix.
+    assert len(caught) >= 102 and len(passed) <= 7, passed
