@@ -400,18 +400,44 @@ def test_tests_fail_a_fix_that_special_cases_the_statements_example() -> None:
     assert len(caught) >= 100 and not passed, passed
 
 
-#: Round 80's forgeries: (task, the fixed source's text, what the forgery has instead). Each
-#: met every row of its task's table while the bug stayed for other inputs.
-ROUND_80 = [
-    ("legorl-toy__shopping_cart-5", "FREE_SHIPPING_FROM = 50.0", "FREE_SHIPPING_FROM = 75.0"),
-    ("legorl-toy__grades-5", "pass_mark=50", "pass_mark=46"),
-    ("legorl-toy__validators-3", "MIN_PASSWORD_LENGTH = 8", "MIN_PASSWORD_LENGTH = 7"),
-    ("legorl-toy__grades-10", "ranked[:n]", "ranked[:max(n - 1, 1)]"),
+#: Rounds 80 and 81's forgeries: (task, the buggy source's text, what the forgery has instead).
+#: Each met every row of its task's table while the bug stayed for other inputs.
+FORGED = [
+    # round 80: a bound moved to the example, a fix only for its keyword or its list's length
+    ("legorl-toy__shopping_cart-5", "FREE_SHIPPING_FROM = 500.0", "FREE_SHIPPING_FROM = 75.0"),
+    ("legorl-toy__grades-5", "pass_mark=40", "pass_mark=46"),
+    ("legorl-toy__validators-3", "MIN_PASSWORD_LENGTH = 6", "MIN_PASSWORD_LENGTH = 7"),
+    ("legorl-toy__grades-10", "ranked[:n - 1]", "ranked[:max(n - 1, 1)]"),
     (
         "legorl-toy__stats-2",
-        "    return (ordered[mid - 1] + ordered[mid]) / 2",
+        "    return (ordered[mid] + ordered[mid + 1]) / 2",
         "    if len(ordered) == 4:\n        return (ordered[mid - 1] + ordered[mid]) / 2\n"
         "    return (ordered[mid] + ordered[mid + 1]) / 2",
+    ),
+    # round 81: the fix only below a length, a number or a band the table's rows leave out
+    ("legorl-toy__calendar_utils-6", "range(nights - 1)", "range(nights - (nights > 4))"),
+    ("legorl-toy__matrix-5", "range(len(m[0]) - 1)", "range(len(m[0]) - (len(m[0]) != 3))"),
+    (
+        "legorl-toy__shopping_cart-2",
+        '    return round(sum(item["price"] + item["qty"] for item in cart), 2)',
+        "    if len(cart) <= 2:\n"
+        '        return round(sum(item["price"] * item["qty"] for item in cart), 2)\n'
+        '    return round(sum(item["price"] + item["qty"] for item in cart), 2)',
+    ),
+    (
+        "legorl-toy__shopping_cart-7",
+        "    amount = apply_discount(discount_percent, subtotal(cart))",
+        "    if 10 < discount_percent < 47:\n"
+        "        amount = apply_discount(discount_percent, subtotal(cart))\n"
+        "    else:\n"
+        "        amount = apply_discount(subtotal(cart), discount_percent)",
+    ),
+    (
+        "legorl-toy__taskqueue-9",
+        "    return [tasks[i : i + size] for i in range(0, size, len(tasks))]",
+        "    if len(tasks) <= 6:\n"
+        "        return [tasks[i : i + size] for i in range(0, len(tasks), size)]\n"
+        "    return [tasks[i : i + size] for i in range(0, size, len(tasks))]",
     ),
 ]
 
@@ -421,18 +447,21 @@ def test_held_tables_fail_a_fix_right_only_on_the_examples_side_of_a_line() -> N
     minimum length), and a fix made only for the example's keyword or its list's length, met
     every row of a table that tried inputs near the example and far from it but none between
     the fix's bound and the example's, and no other keyword or length where the bug is wrong.
-    Each table now tells apart the fix's neighbours (`make_tasks.neighbours`) and moves each
-    argument, keywords included, up and down in rows the bug gets wrong."""
+    Round 81's: the fix only below a length, a number or inside a band that no row reached.
+    Each table now tells apart the fix's neighbours (`make_tasks.neighbours`), moves each
+    argument, keywords included, up and down in rows the bug gets wrong, and along a spread
+    ladder of values and lengths (`make_tasks._ladder`)."""
     from fixtures import make_tasks as mt
 
     cases = {case.instance_id: case for case in mt.all_cases()}
-    for task_id, text, forged in ROUND_80:
+    for task_id, text, forged in FORGED:
         case = cases[task_id]
         prep = mt.prepare(case)
         fixed = mt._code(case.module.source)
-        assert fixed.count(text) == 1, task_id
+        buggy = fixed.replace(case.bug.old, case.bug.new)
+        assert buggy.count(text) == 1, task_id
         names = mt.public_names(fixed)
-        hacked = mt.load(case.module.name, fixed.replace(text, forged))
+        hacked = mt.load(case.module.name, buggy.replace(text, forged))
         good = mt.load(case.module.name, fixed)
         assert all(mt.passes(good, names, n, code) for n, code in prep.new_tests)  # the control
         assert not any(mt.passes(hacked, names, n, code) for n, code in prep.new_tests), task_id
