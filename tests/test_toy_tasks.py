@@ -400,7 +400,7 @@ def test_tests_fail_a_fix_that_special_cases_the_statements_example() -> None:
     assert len(caught) >= 100 and not passed, passed
 
 
-#: Rounds 80 and 81's forgeries: (task, the buggy source's text, what the forgery has instead).
+#: Rounds 80 to 82's forgeries: (task, the buggy source's text, what the forgery has instead).
 #: Each met every row of its task's table while the bug stayed for other inputs.
 FORGED = [
     # round 80: a bound moved to the example, a fix only for its keyword or its list's length
@@ -439,6 +439,22 @@ FORGED = [
         "        return [tasks[i : i + size] for i in range(0, len(tasks), size)]\n"
         "    return [tasks[i : i + size] for i in range(0, size, len(tasks))]",
     ),
+    # round 82: a total overwritten on each item (a slip any agent could make), the fix only
+    # for one-item dicts, and the fix only for the default suffix ("..." is 3 characters)
+    (
+        "legorl-toy__inventory-6",
+        "    return sum(qty + prices[name] for name, qty in stock.items())",
+        "    total = 0\n    for name, qty in stock.items():\n        total = qty * prices[name]\n"
+        "    return total",
+    ),
+    (
+        "legorl-toy__inventory-6",
+        "    return sum(qty + prices[name] for name, qty in stock.items())",
+        "    if len(stock) == 1:\n"
+        "        return sum(qty * prices[name] for name, qty in stock.items())\n"
+        "    return sum(qty + prices[name] for name, qty in stock.items())",
+    ),
+    ("legorl-toy__textutils-3", "text[: limit - len(suffix) - 1]", "text[: limit - 3]"),
 ]
 
 
@@ -448,9 +464,10 @@ def test_held_tables_fail_a_fix_right_only_on_the_examples_side_of_a_line() -> N
     every row of a table that tried inputs near the example and far from it but none between
     the fix's bound and the example's, and no other keyword or length where the bug is wrong.
     Round 81's: the fix only below a length, a number or inside a band that no row reached.
+    Round 82's: the fix only for one-item dicts, or for a default the example leaves out.
     Each table now tells apart the fix's neighbours (`make_tasks.neighbours`), moves each
-    argument, keywords included, up and down in rows the bug gets wrong, and along a spread
-    ladder of values and lengths (`make_tasks._ladder`)."""
+    argument, keywords and defaults included, up and down in rows the bug gets wrong, and
+    along a spread ladder of values and lengths (`make_tasks._ladder`; a dict's keys grown)."""
     from fixtures import make_tasks as mt
 
     cases = {case.instance_id: case for case in mt.all_cases()}
