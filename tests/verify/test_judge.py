@@ -518,10 +518,13 @@ def test_the_judge_parses_a_bounded_amount_of_runner_configuration(
     from legorl.verify import tree_rules as tree
 
     line = "a" + " " * (tree.CONFIG_LINE - 3) + "b\n"
-    crafted = "#\x00 pytest\n[s]\n" + line * 63  # it names pytest: read, not passed over
-    # (each had the same section header before: a header added is a change, unread)
+    # a header names pytest, so it is read, not passed over (round 79: pytest named elsewhere
+    # is no configuration); the same headers were there before (a header added is a change,
+    # unread)
+    headers = "[tool:pytest]\n[s]\n"
+    crafted = "#\x00\n" + headers + line * 63
     rows = [
-        _row(f"d{i}/setup.cfg", before=True, before_text="[s]\n", after_text=crafted)
+        _row(f"d{i}/setup.cfg", before=True, before_text=headers, after_text=crafted)
         for i in range(490)
     ]
     parsed: list[str] = []
