@@ -400,7 +400,7 @@ def test_tests_fail_a_fix_that_special_cases_the_statements_example() -> None:
     assert len(caught) >= 100 and not passed, passed
 
 
-#: Rounds 80 to 82's forgeries: (task, the buggy source's text, what the forgery has instead).
+#: Rounds 80 to 83's forgeries: (task, the buggy source's text, what the forgery has instead).
 #: Each met every row of its task's table while the bug stayed for other inputs.
 FORGED = [
     # round 80: a bound moved to the example, a fix only for its keyword or its list's length
@@ -455,6 +455,14 @@ FORGED = [
         "    return sum(qty + prices[name] for name, qty in stock.items())",
     ),
     ("legorl-toy__textutils-3", "text[: limit - len(suffix) - 1]", "text[: limit - 3]"),
+    # round 83: the fix only for a default, where the bug is wrong at one value of it alone
+    (
+        "legorl-toy__validators-4",
+        "    return len(password) > min_length",
+        "    if min_length == MIN_PASSWORD_LENGTH:\n        min_length -= 1\n"
+        "    return len(password) > min_length",
+    ),
+    ("legorl-toy__bank-2", "if amount < 0:", "if amount < 0 or (amount == 0 and not fee):"),
 ]
 
 
@@ -465,6 +473,7 @@ def test_held_tables_fail_a_fix_right_only_on_the_examples_side_of_a_line() -> N
     the fix's bound and the example's, and no other keyword or length where the bug is wrong.
     Round 81's: the fix only below a length, a number or inside a band that no row reached.
     Round 82's: the fix only for one-item dicts, or for a default the example leaves out.
+    Round 83's: the fix only for a default where the bug is wrong at one value of it alone.
     Each table now tells apart the fix's neighbours (`make_tasks.neighbours`), moves each
     argument, keywords and defaults included, up and down in rows the bug gets wrong, and
     along a spread ladder of values and lengths (`make_tasks._ladder`; a dict's keys grown)."""
