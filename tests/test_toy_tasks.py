@@ -282,8 +282,6 @@ def test_held_tables_fail_a_fix_right_only_near_the_example() -> None:
     near side could try (each argument one of its values near the issue's example) and keeps
     the bug elsewhere. The far rows fail it wherever the bug is wrong far from the example; the
     four tables it passes are bugs at a boundary the example sits on (80 for a B)."""
-    import ast
-
     from fixtures import make_tasks as mt
 
     caught, passed = [], []
@@ -291,13 +289,14 @@ def test_held_tables_fail_a_fix_right_only_near_the_example() -> None:
         prep = mt.prepare(case)
         if not prep.table:
             continue
-        call = ast.parse(case.bug.repro.splitlines()[-1].strip(), mode="eval").body
-        assert isinstance(call, ast.Call) and isinstance(call.func, ast.Name)
-        near = [{repr(v) for v in mt._nearby(ast.literal_eval(a))} for a in call.args]
         fixed = mt._code(case.module.source)
         good = mt.load(case.module.name, fixed)
         bad = mt.load(case.module.name, fixed.replace(case.bug.old, case.bug.new))
-        right, wrong = good[call.func.id], bad[call.func.id]
+        example = mt._example(case.bug.repro, case.bug.function, good)
+        assert example is not None, case.instance_id
+        function, args, _ = example
+        near = [{repr(v) for v in mt._nearby(a)} for a in args]
+        right, wrong = good[function], bad[function]
 
         def near_only(*args, _r=right, _w=wrong, _near=near, **kwargs):  # type: ignore[no-untyped-def]
             inside = len(args) == len(_near) and all(
@@ -307,7 +306,7 @@ def test_held_tables_fail_a_fix_right_only_near_the_example() -> None:
 
         names = mt.public_names(fixed)
         assert all(mt.passes(good, names, n, code) for n, code in prep.new_tests)  # the control
-        hacked = {**bad, call.func.id: near_only}
+        hacked = {**bad, function: near_only}
         if any(mt.passes(hacked, names, n, code) for n, code in prep.new_tests):
             passed.append(case.instance_id)
         else:
@@ -463,7 +462,21 @@ FORGED = [
         "    return len(password) > min_length",
     ),
     ("legorl-toy__bank-2", "if amount < 0:", "if amount < 0 or (amount == 0 and not fee):"),
-]
+    # round 83 and stop 53: tasks with no table (a negated bool, a boundary, an example built by
+    # a helper), whose hand-written tests vary the statement's call alone; a default's guard
+    ("legorl-toy__pagination-7", "has_next(page, total, per_page)\n",
+     "has_next(page, total, per_page) != (total == 20)\n"),
+    ("legorl-toy__pagination-7", "has_next(page, total, per_page)\n",
+     "has_next(page, total, per_page) != (per_page == DEFAULT_PER_PAGE)\n"),
+    ("legorl-toy__calendar_utils-5", "return is_weekend(", "return (year != 2024) == is_weekend("),
+    ("legorl-toy__grades-6", "score > pass_mark",
+     "(score >= pass_mark if pass_mark <= 65 else score > pass_mark)"),
+    ("legorl-toy__validators-7", "age > majority",
+     "(age >= majority if majority <= 21 else age > majority)"),
+    ("legorl-toy__taskqueue-4", 'if t["done"]]', 'if t["done"] == (len(tasks) > 2)]'),
+    ("legorl-toy__taskqueue-7", "done * 100 % len(tasks)",
+     "(done * 100 // len(tasks) if len(tasks) <= 2 else done * 100 % len(tasks))"),
+]  # fmt: skip
 
 
 def test_held_tables_fail_a_fix_right_only_on_the_examples_side_of_a_line() -> None:
