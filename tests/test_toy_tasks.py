@@ -282,6 +282,7 @@ def test_held_tables_fail_a_fix_right_only_near_the_example() -> None:
     near side could try (each argument one of its values near the issue's example) and keeps
     the bug elsewhere. The far rows fail it wherever the bug is wrong far from the example; the
     four tables it passes are bugs at a boundary the example sits on (80 for a B)."""
+    from fixtures import held_tables as ht
     from fixtures import make_tasks as mt
 
     caught, passed = [], []
@@ -292,10 +293,10 @@ def test_held_tables_fail_a_fix_right_only_near_the_example() -> None:
         fixed = mt._code(case.module.source)
         good = mt.load(case.module.name, fixed)
         bad = mt.load(case.module.name, fixed.replace(case.bug.old, case.bug.new))
-        example = mt._example(case.bug.repro, case.bug.function, good)
+        example = ht._example(case.bug.repro, case.bug.function, good)
         assert example is not None, case.instance_id
         function, args, _ = example
-        near = [{repr(v) for v in mt._nearby(a)} for a in args]
+        near = [{repr(v) for v in ht._nearby(a)} for a in args]
         right, wrong = good[function], bad[function]
 
         def near_only(*args, _r=right, _w=wrong, _near=near, **kwargs):  # type: ignore[no-untyped-def]
@@ -323,6 +324,7 @@ def _forged(hack: Any) -> tuple[list[str], list[str]]:
     exception name, raised)). Declared-uncoverable tasks are the known limit, left out."""
     import ast
 
+    from fixtures import held_tables as ht
     from fixtures import make_tasks as mt
 
     caught, passed = [], []
@@ -339,8 +341,8 @@ def _forged(hack: Any) -> tuple[list[str], list[str]]:
         scope = {n: good[n] for n in names}  # an argument may be built (list(range(30)))
         example = tuple(eval(ast.unparse(a), scope) for a in call.args)
         kw = {k.arg: eval(ast.unparse(k.value), scope) for k in call.keywords if k.arg}
-        expected = mt._outcome(good[call.func.id], (*example, *kw.values()), tuple(kw))
-        actual = mt._outcome(bad[call.func.id], (*example, *kw.values()), tuple(kw))
+        expected = ht._outcome(good[call.func.id], (*example, *kw.values()), tuple(kw))
+        actual = ht._outcome(bad[call.func.id], (*example, *kw.values()), tuple(kw))
         forged = hack(bad[call.func.id], example, kw, expected, actual, good[call.func.id])
         hacked = {**bad, call.func.id: forged}
         if any(mt.passes(hacked, names, n, code) for n, code in prep.new_tests):
@@ -364,11 +366,11 @@ def test_held_tables_fail_a_fix_that_maps_the_statements_actual_to_its_expected(
     now holds an answer nobody was shown or a bug's answer that is right in one row and wrong in
     another (`assertions._unknown`). Where mapping the answer is the fix itself (a negated
     bool, a bug at the boundary the issue shows), the task declares its test uncoverable."""
-    from fixtures import make_tasks as mt
+    from fixtures import held_tables as ht
 
     def hack(wrong: Any, _x: Any, _k: Any, expected: Any, actual: Any, _r: Any) -> Any:
         def mapped(*args: Any, **kwargs: Any) -> Any:
-            got = mt._outcome(wrong, (*args, *kwargs.values()), tuple(kwargs))
+            got = ht._outcome(wrong, (*args, *kwargs.values()), tuple(kwargs))
             if type(got[0]) is type(actual[0]) and got == actual:
                 return _answer(expected)
             return wrong(*args, **kwargs)
@@ -476,6 +478,38 @@ FORGED = [
     ("legorl-toy__taskqueue-4", 'if t["done"]]', 'if t["done"] == (len(tasks) > 2)]'),
     ("legorl-toy__taskqueue-7", "done * 100 % len(tasks)",
      "(done * 100 // len(tasks) if len(tasks) <= 2 else done * 100 % len(tasks))"),
+    # round 84: slips any agent could write (no row had a done task, a tie, other whitespace, a
+    # non-blank text or a non-empty matrix), the fix only where some argument is the example's
+    # (every row moved one at a time), and the fix only for ints
+    ("legorl-toy__taskqueue-4", '[t for t in tasks if t["done"]]', "list(tasks)"),
+    ("legorl-toy__taskqueue-5", 't["title"]))', 't["title"]), reverse=True)'),
+    ("legorl-toy__textutils-8", "return text.strip()", 'return not text.strip(" \\t\\n")'),
+    ("legorl-toy__textutils-8", "return text.strip()", 'return not text.strip() or ""'),
+    ("legorl-toy__matrix-9", "return not m or m[0]", "return not m or not m[0] or []"),
+    ("legorl-toy__pagination-4", "start = offset(per_page, page)",
+     "start = offset(page, per_page) if page == 2 or per_page == 5 else offset(per_page, page)"),
+    ("legorl-toy__calendar_utils-5", "    return is_weekend(year, month, day)",
+     "    if year == 2024 or month == 3 or day == 4:\n"
+     "        return not is_weekend(year, month, day)\n"
+     "    return is_weekend(year, month, day)"),
+    ("legorl-toy__calendar_utils-4", "    return datetime.date(year, day, month)",
+     "    if year == 2024 or month == 3 or day == 9:\n"
+     "        return datetime.date(year, month, day).weekday() >= 5\n"
+     "    return datetime.date(year, day, month)"),
+    ("legorl-toy__calendar_utils-3", "    return datetime.date(year, month, day).weekday() > 5",
+     "    if year == 2024 or month == 3 or day == 9:\n"
+     "        return datetime.date(year, month, day).weekday() >= 5\n"
+     "    return datetime.date(year, month, day).weekday() > 5"),
+    ("legorl-toy__matrix-4", "    return [cell(m, j, i) for i in range(len(m))]",
+     "    if j == 1 or m == [[1, 2], [3, 4], [5, 6]]:\n"
+     "        return [cell(m, i, j) for i in range(len(m))]\n"
+     "    return [cell(m, j, i) for i in range(len(m))]"),
+    ("legorl-toy__matrix-3", "if row <= 0 or col < 0:",
+     "if row < 0 or col < 0 or (row == 0 and not (m == [[7, 8]] or row == 0 and col == 1)):"),
+    ("legorl-toy__grades-6", "score > pass_mark",
+     "(score >= pass_mark if isinstance(score, int) else score > pass_mark)"),
+    ("legorl-toy__validators-7", "age > majority",
+     "(age >= majority if isinstance(age, int) else age > majority)"),
 ]  # fmt: skip
 
 
@@ -487,6 +521,9 @@ def test_held_tables_fail_a_fix_right_only_on_the_examples_side_of_a_line() -> N
     Round 81's: the fix only below a length, a number or inside a band that no row reached.
     Round 82's: the fix only for one-item dicts, or for a default the example leaves out.
     Round 83's: the fix only for a default where the bug is wrong at one value of it alone.
+    Round 84's: slips no row reached (a done task, a tie, other whitespace, a non-blank text),
+    a fix right only where some argument is the example's, and one right for ints alone; each
+    argument is now moved every such way (`held_tables._moved`), and all of them at once.
     Each table now tells apart the fix's neighbours (`make_tasks.neighbours`), moves each
     argument, keywords and defaults included, up and down in rows the bug gets wrong, and
     along a spread ladder of values and lengths (`make_tasks._ladder`; a dict's keys grown)."""
