@@ -510,6 +510,11 @@ FORGED = [
      "(score >= pass_mark if isinstance(score, int) else score > pass_mark)"),
     ("legorl-toy__validators-7", "age > majority",
      "(age >= majority if isinstance(age, int) else age > majority)"),
+    # round 85: the touching intervals' fix only in the example's order, a natural slip
+    ("legorl-toy__intervals-3", "a[0] < b[1] and b[0] <= a[1]", "not (a[1] <= b[0] or b[1] < a[0])"),
+    ("legorl-toy__intervals-3", "a[0] < b[1] and b[0] <= a[1]", "a[0] <= b[1] and b[0] < a[1]"),
+    ("legorl-toy__intervals-3", "a[0] < b[1] and b[0] <= a[1]",
+     "max(a[0], b[0]) < min(a[1], b[1]) or a[0] == b[1]"),
 ]  # fmt: skip
 
 

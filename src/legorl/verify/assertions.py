@@ -969,7 +969,7 @@ def _unknown(held: Any, without_fix: Any, public: str) -> bool:
     tables = type(held) in (list, tuple) and type(without_fix) in (list, tuple)
     if tables and len(held) == len(without_fix):
         pairs = list(zip(held, without_fix, strict=True))
-        wrong = [h for h, w in pairs if not _same(h, w)]
+        wrong = [h for h, w in pairs if not _equal(h, w)]
         if any(not guessable(h) and not published(h, public) for h in wrong):
             return True
         # Every wrong answer is known; a fix that maps the unfixed answers to them (the
@@ -988,18 +988,20 @@ def _unknown(held: Any, without_fix: Any, public: str) -> bool:
 
 def _decides(pairs: list[tuple[Any, Any]]) -> bool:
     """Whether the unfixed answer (each pair's second) alone decides the right one (its
-    first): equal unfixed answers always have equal right ones. By hash where the answers have
-    one (a gold table can be long), else pair by pair."""
+    first): unfixed answers of one type and value always have right ones the test's own ``==``
+    takes for each other (a map may tell ``0`` from ``0.0``, and need not tell the right
+    answers ``0`` and ``0.0`` apart: stop 53, a table whose right answers differed only so).
+    By hash where the answers have one (a gold table can be long), else pair by pair."""
     try:
         first: dict[Any, Any] = {}
         for held, unfixed in pairs:
             seen = first.setdefault((type(unfixed), unfixed), held)
-            if not _same(seen, held):
+            if not _equal(seen, held):
                 return False
         return True
     except TypeError:  # an unhashable answer
         return all(
-            _same(h1, h2)
+            _equal(h1, h2)
             for (h1, w1), (h2, w2) in itertools.combinations(pairs, 2)
             if _same(w1, w2)
         )
