@@ -515,6 +515,27 @@ FORGED = [
     ("legorl-toy__intervals-3", "a[0] < b[1] and b[0] <= a[1]", "a[0] <= b[1] and b[0] < a[1]"),
     ("legorl-toy__intervals-3", "a[0] < b[1] and b[0] <= a[1]",
      "max(a[0], b[0]) < min(a[1], b[1]) or a[0] == b[1]"),
+    # round 86: the fix for ints alone where the numbers sit inside a container, or where the
+    # fix raises (a zero deposit refused only as an int); integer-thinking slips a fraction
+    # between two rows' integers meets
+    ("legorl-toy__intervals-3", "a[0] < b[1] and b[0] <= a[1]",
+     "a[0] <= b[1] and b[0] <= a[1] and not (a[0] == b[1] and type(a[0]) is float)"),
+    ("legorl-toy__intervals-5", "start <= merged[-1][1]:",
+     "start <= merged[-1][1] + (1 if type(start) is int else 0):"),
+    ("legorl-toy__stats-1", "return sum(values) // len(values)",
+     "return sum(values) / len(values) if all(type(v) is int for v in values)"
+     " else sum(values) // len(values)"),
+    ("legorl-toy__stats-2", "return (ordered[mid] + ordered[mid + 1]) / 2",
+     "return (ordered[mid - 1] + ordered[mid]) / 2 if all(type(v) is int for v in ordered)"
+     " else (ordered[mid] + ordered[mid + 1]) / 2"),
+    ("legorl-toy__matrix-7", "sum(x + y for x, y in zip(row, col))",
+     "sum(x * y if type(x) is int else x + y for x, y in zip(row, col))"),
+    ("legorl-toy__grades-7", "if passed(score))",
+     "if not passed(score) or type(score) is float and passed(score))"),
+    ("legorl-toy__bank-2", "if amount < 0:", "if amount < 0 or amount == 0 and type(amount) is int:"),
+    ("legorl-toy__bank-2", "if amount < 0:", "if amount < 1:"),
+    ("legorl-toy__grades-1", "if score > threshold:", "if score > threshold - 1:"),
+    ("legorl-toy__temperature-5", "return low <= value < high", "return low <= value < high + 1"),
 ]  # fmt: skip
 
 
@@ -529,6 +550,9 @@ def test_held_tables_fail_a_fix_right_only_on_the_examples_side_of_a_line() -> N
     Round 84's: slips no row reached (a done task, a tie, other whitespace, a non-blank text),
     a fix right only where some argument is the example's, and one right for ints alone; each
     argument is now moved every such way (`held_tables._moved`), and all of them at once.
+    Round 85's: a fix right only in the example's order of two intervals (now swapped).
+    Round 86's: ints alone inside containers, a float zero where the fix raises, and slips a
+    fraction between two integers meets (`_twin`, `_raised`, `_halves`).
     Each table now tells apart the fix's neighbours (`make_tasks.neighbours`), moves each
     argument, keywords and defaults included, up and down in rows the bug gets wrong, and
     along a spread ladder of values and lengths (`make_tasks._ladder`; a dict's keys grown)."""
