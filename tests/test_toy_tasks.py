@@ -536,6 +536,22 @@ FORGED = [
     ("legorl-toy__bank-2", "if amount < 0:", "if amount < 1:"),
     ("legorl-toy__grades-1", "if score > threshold:", "if score > threshold - 1:"),
     ("legorl-toy__temperature-5", "return low <= value < high", "return low <= value < high + 1"),
+    # round 87: one use of a changed constant fixed, the other kept; a leap rule kept before
+    # 2000 (or the Julian one before 1582); intervals compared with the previous one's end
+    ("legorl-toy__temperature-4", "return celsius - ABSOLUTE_ZERO_C", "return celsius + 273.15"),
+    ("legorl-toy__calendar_utils-1", "year % 300 == 0)",
+     "year % 400 == 0 or (year < 2000 and year % 300 == 0))"),
+    ("legorl-toy__calendar_utils-1", "    return year % 4 == 0 and (year % 100 != 0 or year % 300 == 0)",
+     "    if year < 1582:\n        return year % 4 == 0\n"
+     "    return year % 4 == 0 and (year % 100 != 0 or year % 400 == 0)"),
+    ("legorl-toy__intervals-5",
+     "    for start, end in sorted(intervals):\n        if merged and start <= merged[-1][1]:\n"
+     "            merged[-1] = (merged[-1][0], max(merged[-1][1], end))\n"
+     "        else:\n            merged.append((start, end))\n",
+     "    prev_end = None\n    for start, end in sorted(intervals):\n"
+     "        if merged and (start <= merged[-1][1] or start <= prev_end + 1):\n"
+     "            merged[-1] = (merged[-1][0], max(merged[-1][1], end))\n"
+     "        else:\n            merged.append((start, end))\n        prev_end = end\n"),
 ]  # fmt: skip
 
 
@@ -553,6 +569,8 @@ def test_held_tables_fail_a_fix_right_only_on_the_examples_side_of_a_line() -> N
     Round 85's: a fix right only in the example's order of two intervals (now swapped).
     Round 86's: ints alone inside containers, a float zero where the fix raises, and slips a
     fraction between two integers meets (`_twin`, `_raised`, `_halves`).
+    Round 87's: one use of a changed constant fixed, a rule kept on one side for one kind of
+    wrong answer, and intervals nested (rows between the numbers, a scan, `_drawn`).
     Each table now tells apart the fix's neighbours (`make_tasks.neighbours`), moves each
     argument, keywords and defaults included, up and down in rows the bug gets wrong, and
     along a spread ladder of values and lengths (`make_tasks._ladder`; a dict's keys grown)."""
