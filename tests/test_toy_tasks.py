@@ -552,6 +552,10 @@ FORGED = [
      "        if merged and (start <= merged[-1][1] or start <= prev_end + 1):\n"
      "            merged[-1] = (merged[-1][0], max(merged[-1][1], end))\n"
      "        else:\n            merged.append((start, end))\n        prev_end = end\n"),
+    # round 87's open row: the constant's one use in the issue's function fixed, its other
+    # uses (``page_items``, ``has_next``) kept: every public function the bug changes has a table
+    ("legorl-toy__pagination-2", "def page_count(total, per_page=DEFAULT_PER_PAGE):",
+     "def page_count(total, per_page=10):"),
 ]  # fmt: skip
 
 
