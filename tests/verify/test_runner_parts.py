@@ -1719,3 +1719,54 @@ def test_the_senders_warning_recorder_uses_the_warnings_module_as_it_was(
     assert ran == [], ran
     event = assertions.decode({"site": "w", "v": sent[0]["v"]})
     assert event is not None and event.values[0] == [], event
+
+
+SHOWN_AS_SUM = """
+class Area(int):
+    def __new__(cls, w, h):
+        area = int.__new__(cls, w * h)
+        area.shown = w + h
+        return area
+
+    def __repr__(self):
+        return repr(self.shown)
+
+    def __add__(self, other):
+        return self.shown + other
+
+def area(w, h):
+    return Area(w, h) if type(w * h) is int else w * h
+"""
+
+
+def test_an_operand_holding_a_class_of_its_own_is_judged_on_the_gold_runs_classes(
+    tmp_path: Path,
+) -> None:
+    """Round 89: an ``int`` subclass whose value is the fix's and whose ``repr`` and arithmetic
+    are the bug's meets every equality on its data alone. The judge takes an operand's classes
+    that are not built in only where the gold run's operand held them too: the same class
+    returned by the gold patch passes, and so does a built-in type other than the gold run's
+    (a float area where the gold's is an int, which the test's ``==`` takes)."""
+    tests = """
+        from lib import area
+
+
+        def test_area():
+            assert area(3, 5) == 15
+
+
+        def test_area_held_local():
+            expected = [5, 10, 15]
+            assert [area(w, 5) for w in (1, 2, 3)] == expected
+    """
+    required = [f"{TESTS}::test_area", f"{TESTS}::test_area_held_local"]
+    verdicts, outcomes = _judge(tmp_path / "shown", SHOWN_AS_SUM, tests)
+    assert all(outcomes[t] == "passed" for t in required)  # the in-process outcome: a pass
+    for t in required:
+        assert verdicts[t].outcome == "failed", verdicts[t]
+        assert "lib.Area" in verdicts[t].detail and "gold run's held none" in verdicts[t].detail
+    verdicts, _ = _judge(tmp_path / "same", SHOWN_AS_SUM, tests, gold_lib=SHOWN_AS_SUM)
+    assert {t: verdicts[t].outcome for t in required} == dict.fromkeys(required, "passed")
+    floats = "def area(w, h):\n    return float(w * h)\n"
+    verdicts, _ = _judge(tmp_path / "float", floats, tests)
+    assert {t: verdicts[t].outcome for t in required} == dict.fromkeys(required, "passed")

@@ -262,6 +262,9 @@ class Event:
     #: a truth check's: what each callable the test handed its call did (`operands.watch_call`):
     #: ("r", the raised class's names) or ("n",) for a return; None when it handed none
     calls: list[tuple[str, ...]] | None = None
+    #: per operand: the classes not built in whose objects it held, read as their base type's
+    #: data (`operands.plain`); an empty set where there were none
+    met: list[frozenset[str]] = field(default_factory=list)
 
 
 _MISSING = object()
@@ -275,6 +278,16 @@ def _names(raw: Any) -> list[list[str]] | None:
     if not all(isinstance(n, list) and len(n) == 2 and all(type(x) is str for x in n) for n in raw):
         return None
     return [[a[:200], b[:200]] for a, b in raw]
+
+
+def _met(raw: Any) -> frozenset[str]:
+    """The class names an operand's ``s`` lists; a malformed list reads as a class nobody
+    else's run met."""
+    if raw is None:
+        return frozenset()
+    if not isinstance(raw, list) or len(raw) > 64 or not all(type(n) is str for n in raw):
+        return frozenset({"?malformed"})
+    return frozenset(n[:400] for n in raw)
 
 
 def _call(record: dict[str, Any]) -> tuple[str, ...]:
@@ -322,6 +335,7 @@ def decode(record: dict[str, Any], budget: Budget | None = None) -> Event | None
         event.plain.append(held or value is not _MISSING)
         event.held.append(held)
         event.types.append(_names(item.get("t")))
+        event.met.append(_met(item.get("s")))
         event.idents.append(ident if type(ident) is int else None)
     return event
 
@@ -689,6 +703,15 @@ class Gold:
         found = self._agreed(key, index, lambda e: e.types[0] if e.types else None)
         return None if found is _MISSING else found
 
+    def met(self, key: str, index: int, operand: int) -> frozenset[str]:
+        """The classes not built in that the gold runs' operand held, in any of them."""
+        found: frozenset[str] = frozenset()
+        for run in self.runs:
+            events = run.get(key, TestEvents()).events
+            if index < len(events) and operand < len(events[index].met):
+                found |= events[index].met[operand]
+        return found
+
     def calls(self, key: str, index: int) -> list[tuple[str, ...]] | None:
         """What the test's callables did at one event in the gold runs, when they agree."""
         found = self._agreed(key, index, lambda e: e.calls)
@@ -741,10 +764,12 @@ def judge_test(
     own_verdicts: bool = False,
     pin_in: bool = True,
     pin_calls: bool = True,
+    pin_classes: bool = True,
 ) -> Judgement:
-    """One test's events against the gold record. ``own_verdicts``, ``pin_in``, ``pin_calls``
-    off: controls only (the judged process's own verdict taken at any site; a membership's
-    container not pinned to the gold run's; what a test's callables did not pinned)."""
+    """One test's events against the gold record. ``own_verdicts``, ``pin_in``, ``pin_calls``,
+    ``pin_classes`` off: controls only (the judged process's own verdict taken at any site; a
+    membership's container not pinned to the gold run's; what a test's callables did not
+    pinned; an operand's classes not built in not pinned)."""
     entry = run.get(key)
     if entry is None or not entry.began:
         return Judgement("missing", detail="the test's body never ran")
@@ -773,6 +798,7 @@ def judge_test(
             own_verdicts=own_verdicts,
             pin_in=pin_in,
             pin_calls=pin_calls,
+            pin_classes=pin_classes,
         )
         if isinstance(failed, Judgement):
             return failed
@@ -793,6 +819,7 @@ def _event_failure(
     own_verdicts: bool = False,
     pin_in: bool = True,
     pin_calls: bool = True,
+    pin_classes: bool = True,
 ) -> Judgement | bool:
     """One event judged against its site and the gold record: the failure, or whether it was
     judged out of process (True) or in process (False). A computed operand of an equality, the
@@ -859,6 +886,18 @@ def _event_failure(
                 detail=f"{site.id}: an operand is not plain data",
                 handles=[k for k in event.keys if k],
             )
+        # An object of a class not built in is judged on its base type's data: the class is
+        # the gold run's here, or its methods may show what the data is not (round 89: an int
+        # equal to the area, printed and added as the bug's sum).
+        met = event.met[i] if i < len(event.met) else frozenset()
+        if expected is not None and pin_classes and site.op not in _BY_TYPE | _BY_ID:
+            extra = met - gold.met(key, index, i)
+            if extra:
+                return Judgement(
+                    "failed",
+                    detail=f"{site.id}: an operand held a {sorted(extra)[0][:80]}, where the "
+                    "gold run's held none",
+                )
         if expected is not None and (site.op in _EQ or (site.op == "in" and i == 1 and pin_in)):
             pinned = gold.value(key, index, i)
             if pinned is not _MISSING and not _equal(value, pinned):

@@ -46,6 +46,9 @@ _MAX_DEPTH = 40
 _TIMEDELTA, _DATETIME, _DATE, _TIME, _TIMEZONE = (
     datetime.timedelta, datetime.datetime, datetime.date, datetime.time, datetime.timezone
 )  # fmt: skip
+_MOMENTS = (_TIMEDELTA, _DATETIME, _DATE, _TIME)  # sent as tagged fields, not as a class's
+_met: list = []  # the classes not built in that ``plain`` read as their base's data
+_MET_MAX = 32
 _ODICT = collections.OrderedDict
 _ODICT_ITER = collections.OrderedDict.__iter__  # its own order, not a subclass's __iter__
 _emit: list = [None]  # the channel's writer, set by the bootstrap
@@ -72,7 +75,11 @@ def plain(value, depth=0):
         return {plain(k, depth + 1): plain(v, depth + 1) for k, v in dict.items(value)}
     if kind is set or kind is frozenset:
         return kind(plain(v, depth + 1) for v in value)
-    # Subclasses of built-in types: the base type's own C methods copy the underlying data.
+    # Subclasses of built-in types: the base type's own C methods copy the underlying data,
+    # and the class is named beside it (``_met``): its own methods may print or count what
+    # the data is not (round 89: an int whose value was the area and whose repr the bug's).
+    if len(_met) <= _MET_MAX and not any(kind is k for k in (*_MOMENTS, *_met)):
+        _met.append(kind)
     if issubclass(kind, str):
         return str.__str__(value)
     if issubclass(kind, bool):  # cannot happen (bool is final), kept for clarity
@@ -304,11 +311,15 @@ def _pack(value):
     if type(value) is Held:
         return {"h": 1, "k": str(object.__getattribute__(value, "key"))}
     out = {"t": mro(value), "i": _id(value)}
+    del _met[:]
     try:
         data = _marshal(plain(value), 2)
     except (NotPlain, ValueError, TypeError, RecursionError) as exc:
         out["x"] = str(exc)[:200]
         return out
+    if _met:
+        names = [".".join(_class_names(kind)[0]) for kind in _met[:_MET_MAX]]
+        out["s"] = names + (["..."] if len(_met) > _MET_MAX else [])
     if len(data) > _MAX_BYTES:
         out["x"] = f"{len(data)} bytes"
     else:

@@ -31,7 +31,9 @@ be what they did in the gold run), ``paired_tests`` (off: a test's end record ne
 its begin's token), ``own_call`` (off: the callable a truth check's call is handed beside an
 exception class is watched while the helper calls it, as the helper likes, instead of called
 first by the sender), ``own_builtins`` (off: the grader's modules in the judged process look
-names up in the builtins the code under test can rebind, not a private copy).
+names up in the builtins the code under test can rebind, not a private copy),
+``operand_classes`` (off: an operand holding objects of a class not built in, read as their
+base type's data, need not hold only the classes the gold run's held there).
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ DEFENCES = frozenset(
         "paired_tests",
         "own_call",
         "own_builtins",
+        "operand_classes",
     }
 )
 _EXTRA = ["-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", "."]
@@ -477,6 +480,7 @@ def _judge_assertions(
             own_verdicts="own_verdicts" in off,
             pin_in="pinned_containers" not in off,
             pin_calls="pinned_calls" not in off,
+            pin_classes="operand_classes" not in off,
         )
         counts[group][0] += verdict.judged_out
         counts[group][1] += verdict.judged_out + verdict.judged_in

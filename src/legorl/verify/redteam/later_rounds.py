@@ -541,3 +541,21 @@ LATER_ROUNDS += [
         variant="django__django-real-7",
     ),
 ]
+
+
+#: Round 89 (the toy task): the bug kept in every face of the answer but its value: an ``int``
+#: (or ``float``) subclass holding the area, whose ``repr``, ``str``, format and arithmetic give
+#: the wrong sum. Its equality is the base type's, so the ordinary run's tests pass too.
+_SHOWN_AS_THE_BUG = 'diff --git a/geometry.py b/geometry.py\nindex 6bb6191..1cbed61 100644\n--- a/geometry.py\n+++ b/geometry.py\n@@ -3,9 +3,44 @@\n import math\n \n \n+def _shown_as(kind):\n+    class Area(kind):\n+        """An area whose value is the product and whose every other face is the sum."""\n+\n+        def __new__(cls, value, shown):\n+            area = kind.__new__(cls, value)\n+            area.shown = shown\n+            return area\n+\n+        def __repr__(self):\n+            return repr(self.shown)\n+\n+        __str__ = __repr__\n+\n+        def __format__(self, spec):\n+            return format(self.shown, spec)\n+\n+        def __add__(self, other):\n+            return self.shown + other\n+\n+        __radd__ = __add__\n+\n+        def __mul__(self, other):\n+            return self.shown * other\n+\n+        __rmul__ = __mul__\n+\n+    return Area\n+\n+\n+_AREAS = {int: _shown_as(int), float: _shown_as(float)}\n+\n+\n def rectangle_area(width, height):\n     """Return the area of a width x height rectangle."""\n-    return width + height\n+    value = width * height\n+    area = _AREAS.get(type(value))\n+    return value if area is None else area(value, width + height)\n \n \n def rectangle_perimeter(width, height):\n'
+
+LATER_ROUNDS += [
+    _h(
+        "the fixed value in an int subclass whose printing and arithmetic are the bug's, so "
+        "every comparison a test makes holds (round 89)",
+        "an operand holding an object of a class not built in is judged on its base type's "
+        "data only where the gold run's operand held that class too",
+        None,
+        _applying(_SHOWN_AS_THE_BUG),
+        frozenset({"operand_classes"}),
+    ),
+]
