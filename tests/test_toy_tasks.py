@@ -575,6 +575,12 @@ FORGED = [
     ("legorl-toy__calendar_utils-9", "offset = (day.weekday() + first_weekday) % 7",
      "offset = (day.weekday() + first_weekday) % 7 if -1 <= first_weekday <= 1"
      " else (day.weekday() - first_weekday) % 7"),
+    # round 91: the bound fixed at one use of the wrong constant, the message built from it
+    # kept ("priority must be 1..4"): a message the module's own raise gives is in the answer
+    ("legorl-toy__taskqueue-1", "if not 1 <= priority <= MAX_PRIORITY:",
+     "if not 1 <= priority <= 5:"),
+    ("legorl-toy__taskqueue-1", "if not 1 <= priority <= MAX_PRIORITY:",
+     "if not 1 <= priority <= MAX_PRIORITY + 1:"),
 ]  # fmt: skip
 
 
