@@ -157,7 +157,10 @@ def main(key, bundle):
     if options.get("judge", True):
         operands = _load(bundle, "operands.py")
         operands.install(
-            emit, onward=options.get("onward", False), own_call=options.get("own_call", True)
+            emit,
+            onward=options.get("onward", False),
+            own_call=options.get("own_call", True),
+            quiet_sender=options.get("quiet_sender", True),
         )
         spaces, pins = operands.guarded()
         report.SPACES.extend(spaces)

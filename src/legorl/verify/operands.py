@@ -54,6 +54,7 @@ _ODICT_ITER = collections.OrderedDict.__iter__  # its own order, not a subclass'
 _emit: list = [None]  # the channel's writer, set by the bootstrap
 _onward = [False]  # the empty patch's run of a gold record: a failed assertion does not stop
 _own_call = [True]  # a truth check's callable called here first (off: a control only)
+_quiet_sender = [True]  # no hook of the judged process runs in the sender (off: a control only)
 
 
 class NotPlain(Exception):
@@ -274,8 +275,12 @@ def _name(value):
 
 
 def _send(record):
-    if _emit[0] is not None:
-        _emit[0](record)
+    hooks = _quiet(_GETFRAME(0)) if _quiet_sender[0] else None  # round 93: no hook runs here
+    try:
+        if _emit[0] is not None:
+            _emit[0](record)
+    finally:
+        _loud(hooks)
 
 
 _MAX_BYTES = 4 << 20  # one operand, marshalled; a larger one is not sent
@@ -305,7 +310,17 @@ class Held:
 
 def _pack(value):
     """One operand: its plain data (marshal version 2: no back-references), its class names
-    and its id; the judge takes what its comparison needs."""
+    and its id; the judge takes what its comparison needs. No hook of the judged process (a
+    trace or profile function, a monitoring callback, a signal handler) runs while it is
+    packed (round 93: a trace function emptied ``_met`` inside ``plain``)."""
+    hooks = _quiet(_GETFRAME(0)) if _quiet_sender[0] else None
+    try:
+        return _packed(value)
+    finally:
+        _loud(hooks)
+
+
+def _packed(value):
     if value is HELD:
         return {"h": 1}
     if type(value) is Held:
@@ -345,8 +360,13 @@ _IN_PROCESS: dict = {
 
 
 def check(site, *operands):
-    """One assertion's operands, out to the judge; the comparison is the judge's alone."""
-    _send({"event": "a", "site": site, "v": [_pack(v) for v in operands]})
+    """One assertion's operands, out to the judge; the comparison is the judge's alone. The
+    operands are packed and sent with every hook of the judged process cleared (`_quiet`)."""
+    hooks = _quiet(_GETFRAME(0)) if _quiet_sender[0] else None
+    try:
+        _send({"event": "a", "site": site, "v": [_pack(v) for v in operands]})
+    finally:
+        _loud(hooks)
 
 
 def watch_call(site, fn, args, kwargs):
@@ -691,17 +711,20 @@ def guarded():
         ("operands._emit", lambda: _emit[0]),
         ("operands._onward", lambda: _onward[0]),
         ("operands._own_call", lambda: _own_call[0]),
+        ("operands._quiet_sender", lambda: _quiet_sender[0]),
     ]
 
 
-def install(emit, onward=False, own_call=True):
+def install(emit, onward=False, own_call=True, quiet_sender=True):
     """Make ``__legorl__`` reachable from the rewritten tests (as a builtin); ``onward``: the
-    empty patch's run of a gold record; ``own_call`` off: a control only (`watch_call`)."""
+    empty patch's run of a gold record; ``own_call`` and ``quiet_sender`` off: controls only
+    (`watch_call`, `_pack`)."""
     import types
 
     _emit[0] = emit
     _onward[0] = bool(onward)
     _own_call[0] = bool(own_call)
+    _quiet_sender[0] = bool(quiet_sender)
     names = (
         "HELD",
         "Held",

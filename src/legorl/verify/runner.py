@@ -33,7 +33,9 @@ exception class is watched while the helper calls it, as the helper likes, inste
 first by the sender), ``own_builtins`` (off: the grader's modules in the judged process look
 names up in the builtins the code under test can rebind, not a private copy),
 ``operand_classes`` (off: an operand holding objects of a class not built in, read as their
-base type's data, need not hold only the classes the gold run's held there).
+base type's data, need not hold only the classes the gold run's held there),
+``quiet_sender`` (off: the judged process's trace and profile functions, monitoring callbacks
+and signal handlers stay set while the operand sender packs and sends a record).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ DEFENCES = frozenset(
         "own_call",
         "own_builtins",
         "operand_classes",
+        "quiet_sender",
     }
 )
 _EXTRA = ["-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", "."]
@@ -223,6 +226,7 @@ async def run_tests(
             "judge": "judge_assertions" not in off,
             "onward": onward and "onward" not in off,
             "own_call": "own_call" not in off,
+            "quiet_sender": "quiet_sender" not in off,
             "own_builtins": "own_builtins" not in off,
         }
     )
