@@ -581,7 +581,19 @@ FORGED = [
      "if not 1 <= priority <= 5:"),
     ("legorl-toy__taskqueue-1", "if not 1 <= priority <= MAX_PRIORITY:",
      "if not 1 <= priority <= MAX_PRIORITY + 1:"),
+    # round 92: a value on its bound right only where the bound is whole; a flag checked
+    # ``is not True`` (every number moved by one fraction at once; bools as other truths)
+    ("legorl-toy__temperature-5", "return low <= value < high",
+     "return low <= value < high or value == int(high)"),
+    ("legorl-toy__shopping_cart-6", 'if i.get("exempt"))', 'if i.get("exempt") is not True)'),
 ]  # fmt: skip
+
+#: Correct fixes written otherwise than the gold patch, which every table must pass (round 92:
+#: a float computed in another order, equal to the gold's but for its last bit).
+OTHERWISE = [
+    ("legorl-toy__stats-4", "return (x - center) * spread", "return (x - center) * (1 / spread)"),
+    ("legorl-toy__stats-4", "return (x - center) * spread", "return x / spread - center / spread"),
+]
 
 
 def test_held_tables_fail_a_fix_right_only_on_the_examples_side_of_a_line() -> None:
@@ -602,7 +614,8 @@ def test_held_tables_fail_a_fix_right_only_on_the_examples_side_of_a_line() -> N
     wrong answer, and intervals nested (rows between the numbers, a scan, `_drawn`).
     Each table now tells apart the fix's neighbours (`make_tasks.neighbours`), moves each
     argument, keywords and defaults included, up and down in rows the bug gets wrong, and
-    along a spread ladder of values and lengths (`make_tasks._ladder`; a dict's keys grown)."""
+    along a spread ladder of values and lengths (`make_tasks._ladder`; a dict's keys grown).
+    Rounds 88 to 92's are in ``FORGED`` too; and every correct fix of ``OTHERWISE`` passes."""
     from fixtures import make_tasks as mt
 
     cases = {case.instance_id: case for case in mt.all_cases()}
@@ -617,6 +630,15 @@ def test_held_tables_fail_a_fix_right_only_on_the_examples_side_of_a_line() -> N
         good = mt.load(case.module.name, fixed)
         assert all(mt.passes(good, names, n, code) for n, code in prep.new_tests)  # the control
         assert not any(mt.passes(hacked, names, n, code) for n, code in prep.new_tests), task_id
+    for task_id, text, fix in OTHERWISE:
+        case = cases[task_id]
+        fixed = mt._code(case.module.source)
+        buggy = fixed.replace(case.bug.old, case.bug.new)
+        assert buggy.count(text) == 1, task_id
+        other = mt.load(case.module.name, buggy.replace(text, fix))
+        prep = _prepared(task_id)
+        names = mt.public_names(fixed)
+        assert all(mt.passes(other, names, n, code) for n, code in prep.new_tests), (task_id, fix)
 
     # On every bug whose tests the judge covers: the fix only where each keyword and each
     # container's length are the example's, the bug elsewhere.
