@@ -30,6 +30,7 @@ import builtins
 import collections
 import contextlib
 import datetime
+import gc
 import marshal
 import os
 import signal
@@ -47,8 +48,6 @@ _TIMEDELTA, _DATETIME, _DATE, _TIME, _TIMEZONE = (
     datetime.timedelta, datetime.datetime, datetime.date, datetime.time, datetime.timezone
 )  # fmt: skip
 _MOMENTS = (_TIMEDELTA, _DATETIME, _DATE, _TIME)  # sent as tagged fields, not as a class's
-_met: list = []  # the classes not built in that ``plain`` read as their base's data
-_MET_MAX = 32
 _ODICT = collections.OrderedDict
 _ODICT_ITER = collections.OrderedDict.__iter__  # its own order, not a subclass's __iter__
 _emit: list = [None]  # the channel's writer, set by the bootstrap
@@ -61,8 +60,9 @@ class NotPlain(Exception):
     pass
 
 
-def plain(value, depth=0):
-    """``value`` as exact built-in types, or NotPlain."""
+def plain(value, depth=0, met=None):
+    """``value`` as exact built-in types, or NotPlain; each class not built in whose object it
+    reads as its base type's data noted in ``met`` (a list of the caller's own, at most 33)."""
     kind = type(value)
     # Identity only, and C-level checks below: no code of the value's class runs here (round
     # 52: ``kind in (...)`` compares with ``==``, which a metaclass's ``__eq__`` answers).
@@ -71,16 +71,16 @@ def plain(value, depth=0):
     if depth > _MAX_DEPTH:
         raise NotPlain("too deep")
     if kind is list or kind is tuple:
-        return kind(plain(v, depth + 1) for v in value)
+        return kind(plain(v, depth + 1, met) for v in value)
     if kind is dict:
-        return {plain(k, depth + 1): plain(v, depth + 1) for k, v in dict.items(value)}
+        return {plain(k, depth + 1, met): plain(v, depth + 1, met) for k, v in dict.items(value)}
     if kind is set or kind is frozenset:
-        return kind(plain(v, depth + 1) for v in value)
+        return kind(plain(v, depth + 1, met) for v in value)
     # Subclasses of built-in types: the base type's own C methods copy the underlying data,
-    # and the class is named beside it (``_met``): its own methods may print or count what
+    # and the class is named beside it (``met``): its own methods may print or count what
     # the data is not (round 89: an int whose value was the area and whose repr the bug's).
-    if len(_met) <= _MET_MAX and not any(kind is k for k in (*_MOMENTS, *_met)):
-        _met.append(kind)
+    if met is not None and len(met) <= 32 and not any(kind is k for k in (*_MOMENTS, *met)):
+        met.append(kind)
     if issubclass(kind, str):
         return str.__str__(value)
     if issubclass(kind, bool):  # cannot happen (bool is final), kept for clarity
@@ -94,9 +94,9 @@ def plain(value, depth=0):
     if issubclass(kind, bytes):
         return bytes.__getitem__(value, slice(None))
     if issubclass(kind, tuple):
-        return tuple(plain(v, depth + 1) for v in tuple.__getitem__(value, slice(None)))
+        return tuple(plain(v, depth + 1, met) for v in tuple.__getitem__(value, slice(None)))
     if issubclass(kind, list):
-        return [plain(v, depth + 1) for v in list.__getitem__(value, slice(None))]
+        return [plain(v, depth + 1, met) for v in list.__getitem__(value, slice(None))]
     if issubclass(kind, _ODICT):
         # In its own order, which its equality with another OrderedDict compares (round 33: a
         # plain dict's copy lost it): tagged, and rebuilt as one by the judge.
@@ -104,14 +104,18 @@ def plain(value, depth=0):
         if not all(_exact_key(k) for k in dict.__iter__(value)):
             raise NotPlain("an OrderedDict key not of a built-in type")
         pairs = [[k, dict.__getitem__(value, k)] for k in _ODICT_ITER(value)]
-        return (..., "odict", [[plain(k, depth + 1), plain(v, depth + 1)] for k, v in pairs])
+        return (
+            ...,
+            "odict",
+            [[plain(k, depth + 1, met), plain(v, depth + 1, met)] for k, v in pairs],
+        )
     if issubclass(kind, dict):
         copy = dict.copy(value)
-        return {plain(k, depth + 1): plain(v, depth + 1) for k, v in dict.items(copy)}
+        return {plain(k, depth + 1, met): plain(v, depth + 1, met) for k, v in dict.items(copy)}
     if issubclass(kind, frozenset):
-        return frozenset(plain(v, depth + 1) for v in frozenset.copy(value))
+        return frozenset(plain(v, depth + 1, met) for v in frozenset.copy(value))
     if issubclass(kind, set):
-        return set(plain(v, depth + 1) for v in set.copy(value))
+        return set(plain(v, depth + 1, met) for v in set.copy(value))
     moment = _moment(value, kind)
     if moment is not None:
         return moment
@@ -275,12 +279,12 @@ def _name(value):
 
 
 def _send(record):
-    hooks = _quiet(_GETFRAME(0)) if _quiet_sender[0] else None  # round 93: no hook runs here
+    hooks = _hush(_GETFRAME(0)) if _quiet_sender[0] else None  # rounds 93, 94: none runs here
     try:
         if _emit[0] is not None:
             _emit[0](record)
     finally:
-        _loud(hooks)
+        _unhush(hooks)
 
 
 _MAX_BYTES = 4 << 20  # one operand, marshalled; a larger one is not sent
@@ -312,12 +316,14 @@ def _pack(value):
     """One operand: its plain data (marshal version 2: no back-references), its class names
     and its id; the judge takes what its comparison needs. No hook of the judged process (a
     trace or profile function, a monitoring callback, a signal handler) runs while it is
-    packed (round 93: a trace function emptied ``_met`` inside ``plain``)."""
-    hooks = _quiet(_GETFRAME(0)) if _quiet_sender[0] else None
+    packed (round 93: a trace function emptied the list of classes ``plain`` noted), nor a
+    garbage collection's callback or finalizer, nor another thread (round 94: a
+    ``gc.callbacks`` function changed what the list's cap was; `_hush`)."""
+    hooks = _hush(_GETFRAME(0)) if _quiet_sender[0] else None
     try:
         return _packed(value)
     finally:
-        _loud(hooks)
+        _unhush(hooks)
 
 
 def _packed(value):
@@ -326,15 +332,15 @@ def _packed(value):
     if type(value) is Held:
         return {"h": 1, "k": str(object.__getattribute__(value, "key"))}
     out = {"t": mro(value), "i": _id(value)}
-    del _met[:]
+    met: list = []  # made here, in no name the judged process can rebind (round 94)
     try:
-        data = _marshal(plain(value), 2)
+        data = _marshal(plain(value, 0, met), 2)
     except (NotPlain, ValueError, TypeError, RecursionError) as exc:
         out["x"] = str(exc)[:200]
         return out
-    if _met:
-        names = [".".join(_class_names(kind)[0]) for kind in _met[:_MET_MAX]]
-        out["s"] = names + (["..."] if len(_met) > _MET_MAX else [])
+    if met:
+        names = [".".join(_class_names(kind)[0]) for kind in met[:32]]
+        out["s"] = names + (["..."] if len(met) > 32 else [])
     if len(data) > _MAX_BYTES:
         out["x"] = f"{len(data)} bytes"
     else:
@@ -362,11 +368,11 @@ _IN_PROCESS: dict = {
 def check(site, *operands):
     """One assertion's operands, out to the judge; the comparison is the judge's alone. The
     operands are packed and sent with every hook of the judged process cleared (`_quiet`)."""
-    hooks = _quiet(_GETFRAME(0)) if _quiet_sender[0] else None
+    hooks = _hush(_GETFRAME(0)) if _quiet_sender[0] else None
     try:
         _send({"event": "a", "site": site, "v": [_pack(v) for v in operands]})
     finally:
-        _loud(hooks)
+        _unhush(hooks)
 
 
 def watch_call(site, fn, args, kwargs):
@@ -525,19 +531,51 @@ def _loud(hooks):
             _RAISE_SIGNAL(signum)
 
 
+_GC_ENABLED, _GC_DISABLE, _GC_ENABLE = gc.isenabled, gc.disable, gc.enable
+_GETSWITCH, _SETSWITCH = sys.getswitchinterval, sys.setswitchinterval
+
+
+def _hush(frame):
+    """``_quiet``, and no other code of the judged process run while the sender works: no
+    garbage collection (its callbacks and the finalizers it calls, round 94) and no switch to
+    another thread of it (the sender holds the interpreter until it writes); what ``_unhush``
+    puts back."""
+    collecting, switch = _GC_ENABLED(), _GETSWITCH()
+    _GC_DISABLE()
+    _SETSWITCH(100.0)
+    return _quiet(frame), collecting, switch
+
+
+def _unhush(hushed):
+    if hushed is None:
+        return
+    hooks, collecting, switch = hushed
+    _SETSWITCH(switch)
+    if collecting:
+        _GC_ENABLE()
+    _loud(hooks)
+
+
 def adapt(site, op, *operands):
     """A site whose operands were not plain data for the gold patch (the judge holds none of
     them): sent as ``check`` does when they are plain now, else compared here and only the
     result goes out (the judge accepts that only where the gold run did the same)."""
-    packed = [_pack(v) for v in operands]
-    if any("x" in p for p in packed) and not any("h" in p for p in packed) and op in _IN_PROCESS:
-        try:
-            held = bool(_IN_PROCESS[op](*operands))
-        except Exception:
-            held = False
-        _send({"event": "a", "site": site, "ok": held, "np": 1})
-        return
-    _send({"event": "a", "site": site, "v": packed})
+    hooks = _hush(_GETFRAME(0)) if _quiet_sender[0] else None
+    try:  # packed, and sent when plain, with no code of the judged process running (round 93)
+        packed = [_pack(v) for v in operands]
+        if not (
+            any("x" in p for p in packed) and not any("h" in p for p in packed)
+            and op in _IN_PROCESS
+        ):  # fmt: skip
+            _send({"event": "a", "site": site, "v": packed})
+            return
+    finally:
+        _unhush(hooks)
+    try:
+        held = bool(_IN_PROCESS[op](*operands))
+    except Exception:
+        held = False
+    _send({"event": "a", "site": site, "ok": held, "np": 1})
 
 
 def inproc(site, thunk):
@@ -597,14 +635,21 @@ class raises:
         # patch's that runs here; what the sender reads after it (the class names, from the
         # exception itself) does not exist yet for it to change (round 52, read).
         said = {"x": "nothing raised"}
+        text = None
         if value is not None:
             try:
-                said = _pack(str(value))
+                text = str(value)
             except Exception as exc:  # an exception whose __str__ raises says nothing
                 said = {"x": _name(_QUALNAME(type(exc)))}
-        names = None if kind is None else _class_names(kind)
-        wanted = [_pack(m) for m in message[:1]]
-        _send({"event": "a", "site": site, "v": [{"t": names}, said, *wanted]})
+        hooks = _hush(_GETFRAME(0)) if _quiet_sender[0] else None
+        try:  # packed and sent with no code of the judged process running (round 93)
+            if text is not None:
+                said = _pack(text)
+            names = None if kind is None else _class_names(kind)
+            wanted = [_pack(m) for m in message[:1]]
+            _send({"event": "a", "site": site, "v": [{"t": names}, said, *wanted]})
+        finally:
+            _unhush(hooks)
         return inner.__exit__(kind, value, tb)
 
 
@@ -641,8 +686,12 @@ class warns:
         said = []
         for item in log[:64]:
             said.append([_class_names(item.category), _warning_text(item.message)[:2000]])
-        wanted = [_pack(m) for m in self.message[:1]]
-        _send({"event": "a", "site": self.site, "v": [_pack(said), *wanted]})
+        hooks = _hush(_GETFRAME(0)) if _quiet_sender[0] else None
+        try:  # packed and sent with no code of the judged process running (round 93)
+            wanted = [_pack(m) for m in self.message[:1]]
+            _send({"event": "a", "site": self.site, "v": [_pack(said), *wanted]})
+        finally:
+            _unhush(hooks)
         for item in log:  # to the test's own manager, as they came
             with contextlib.suppress(Exception):
                 _WARN_EXPLICIT(item.message, item.category, item.filename, item.lineno)
