@@ -606,7 +606,7 @@ def test_held_tables_fail_a_fix_right_only_on_the_examples_side_of_a_line() -> N
     Round 83's: the fix only for a default where the bug is wrong at one value of it alone.
     Round 84's: slips no row reached (a done task, a tie, other whitespace, a non-blank text),
     a fix right only where some argument is the example's, and one right for ints alone; each
-    argument is now moved every such way (`held_tables._moved`), and all of them at once.
+    argument is now moved every such way (`table_moves._moved`), and all of them at once.
     Round 85's: a fix right only in the example's order of two intervals (now swapped).
     Round 86's: ints alone inside containers, a float zero where the fix raises, and slips a
     fraction between two integers meets (`_twin`, `_raised`, `_halves`).
