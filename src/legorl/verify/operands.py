@@ -451,7 +451,10 @@ def _watch(site, fn):
 _GETFRAME = sys._getframe
 _GETSIGNAL, _SIGNAL, _RAISE_SIGNAL = signal.getsignal, signal.signal, signal.raise_signal
 _SIGNALS = tuple(sorted(signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}))
-_CURRENT_THREAD, _MAIN_THREAD = threading.current_thread, threading.main_thread
+# The main thread by its ident, read now: ``threading.current_thread`` looks its answer up in
+# the module's ``_active`` dict at call time, which the judged process can replace with one
+# whose lookup runs its code inside ``_quiet`` (round 95, tried and held; closed here).
+_GET_IDENT, _MAIN_IDENT = threading.get_ident, threading.main_thread().ident
 _GETTRACE, _SETTRACE = sys.gettrace, sys.settrace
 _GETPROFILE, _SETPROFILE = sys.getprofile, sys.setprofile
 _MONITORING = getattr(sys, "monitoring", None)  # Python 3.12+
@@ -489,7 +492,7 @@ def _quiet(frame):
     local = frame.f_trace
     frame.f_trace = None
     handlers = []
-    if _CURRENT_THREAD() is _MAIN_THREAD():
+    if _GET_IDENT() == _MAIN_IDENT:
         for signum in _SIGNALS:
             try:
                 old = _GETSIGNAL(signum)
