@@ -635,6 +635,56 @@ def test_a_watched_call_runs_free_of_monitoring_callbacks() -> None:
     assert got["sent"] == [{"event": "w", "site": "s", "n": 1}], got
 
 
+_PYTHON_INSIDE_THE_SENDER = """
+import contextlib, importlib.util, json, signal, sys
+spec = importlib.util.spec_from_file_location("operands", sys.argv[1])
+op = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(op)
+records = []
+op.install(records.append, c_sender=sys.argv[2] == "on")
+ran = []
+
+
+def spy(name, real):
+    def call(*args, **kwargs):
+        ran.append(name)
+        return real(*args, **kwargs)
+
+    return call
+
+
+signal.signal(signal.SIGUSR1, lambda *_: None)  # a handler of the judged process's own
+for name in ("_int_to_enum", "_enum_to_int"):
+    setattr(signal, name, spy("signal." + name, getattr(signal, name)))
+contextlib.suppress = spy("contextlib.suppress", contextlib.suppress)
+op.check("s", 15)
+print(json.dumps({"ran": sorted(set(ran)), "sent": len(records)}))
+"""
+
+
+def test_the_hushed_sender_calls_no_function_the_judged_process_can_replace() -> None:
+    # Round 96: ``signal.getsignal``, a Python wrapper the sender called inside ``_quiet`` after
+    # it had cleared the hooks, looked up ``signal._int_to_enum`` at call time; the judged
+    # process replaced it with a function that set a trace function again, which emptied the
+    # sender's note of an operand's classes. The sender now calls ``_signal``'s C functions
+    # and puts the hooks back with no ``contextlib.suppress``. The control: with
+    # ``c_sender`` off, the replaced function runs inside the sender.
+    operands_py = ROOT / "src/legorl/verify/operands.py"
+
+    def run(switch: str) -> dict:
+        done = subprocess.run(
+            [sys.executable, "-I", "-c", _PYTHON_INSIDE_THE_SENDER, str(operands_py), switch],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    assert run("on") == {"ran": [], "sent": 1}
+    assert "signal._int_to_enum" in run("off")["ran"]
+
+
 def test_a_watched_call_started_again_and_a_replaced_encoder_count_for_nothing() -> None:
     # Round 18: a helper started the watched call again (a second ``ws``) to drop the record
     # of what the test's callable did, and a replaced ``json.dumps`` rewrote the guard's

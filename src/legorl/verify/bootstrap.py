@@ -161,6 +161,7 @@ def main(key, bundle):
             onward=options.get("onward", False),
             own_call=options.get("own_call", True),
             quiet_sender=options.get("quiet_sender", True),
+            c_sender=options.get("c_sender", True),
         )
         spaces, pins = operands.guarded()
         report.SPACES.extend(spaces)

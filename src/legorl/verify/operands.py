@@ -25,6 +25,7 @@ code answers at the assertions after it too (`rewrite.py` wraps only those whose
 enclosing ``with`` or ``try`` of the test could catch).
 """
 
+import _signal
 import binascii
 import builtins
 import collections
@@ -449,7 +450,11 @@ def _watch(site, fn):
 
 
 _GETFRAME = sys._getframe
-_GETSIGNAL, _SIGNAL, _RAISE_SIGNAL = signal.getsignal, signal.signal, signal.raise_signal
+# Every callable the sender calls while it is hushed is the interpreter's own C function, taken
+# now: ``signal.getsignal`` and ``signal.signal`` are Python wrappers that look up the module's
+# ``_int_to_enum`` and ``_enum_to_int`` at call time, which the judged process replaced with a
+# function that set a trace function again inside ``_quiet`` (round 96).
+_GETSIGNAL, _SIGNAL, _RAISE_SIGNAL = _signal.getsignal, _signal.signal, _signal.raise_signal
 _SIGNALS = tuple(sorted(signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}))
 # The main thread by its ident, read now: ``threading.current_thread`` looks its answer up in
 # the module's ``_active`` dict at call time, which the judged process can replace with one
@@ -515,23 +520,31 @@ def _quiet(frame):
 
 
 def _loud(hooks):
+    """What ``_quiet`` cleared, put back; no code of the judged process runs before the hooks
+    are back (``contextlib.suppress`` is a class the judged process can replace: round 96)."""
     if hooks is None:
         return
     trace, profile, frame, local, callbacks, handlers = hooks
     for tool, event, old in callbacks:
-        with contextlib.suppress(ValueError, TypeError, AttributeError):
+        try:  # noqa: SIM105 (contextlib.suppress: see above)
             _MONITORING.register_callback(tool, event, old)  # type: ignore[union-attr]
+        except (ValueError, TypeError, AttributeError):
+            pass
     frame.f_trace = local
     _SETPROFILE(profile)
     _SETTRACE(trace)
     for signum, old in handlers:
-        with contextlib.suppress(ValueError, OSError, TypeError):
+        try:  # noqa: SIM105
             _SIGNAL(signum, old)
+        except (ValueError, OSError, TypeError):
+            pass
     came = list(dict.fromkeys(_DEFERRED))
     _DEFERRED.clear()
     for signum in came:  # delivered now, to the handlers put back
-        with contextlib.suppress(ValueError, OSError):
+        try:  # noqa: SIM105
             _RAISE_SIGNAL(signum)
+        except (ValueError, OSError):
+            pass
 
 
 _GC_ENABLED, _GC_DISABLE, _GC_ENABLE = gc.isenabled, gc.disable, gc.enable
@@ -767,12 +780,15 @@ def guarded():
     ]
 
 
-def install(emit, onward=False, own_call=True, quiet_sender=True):
+def install(emit, onward=False, own_call=True, quiet_sender=True, c_sender=True):
     """Make ``__legorl__`` reachable from the rewritten tests (as a builtin); ``onward``: the
-    empty patch's run of a gold record; ``own_call`` and ``quiet_sender`` off: controls only
-    (`watch_call`, `_pack`)."""
+    empty patch's run of a gold record; ``own_call``, ``quiet_sender`` and ``c_sender`` off:
+    controls only (`watch_call`, `_pack`, `_quiet`)."""
     import types
 
+    global _GETSIGNAL, _SIGNAL
+    if not c_sender:  # a control only: ``signal``'s Python wrappers, as before round 96
+        _GETSIGNAL, _SIGNAL = signal.getsignal, signal.signal
     _emit[0] = emit
     _onward[0] = bool(onward)
     _own_call[0] = bool(own_call)

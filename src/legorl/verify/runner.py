@@ -35,7 +35,10 @@ names up in the builtins the code under test can rebind, not a private copy),
 ``operand_classes`` (off: an operand holding objects of a class not built in, read as their
 base type's data, need not hold only the classes the gold run's held there),
 ``quiet_sender`` (off: the judged process's trace and profile functions, monitoring callbacks
-and signal handlers stay set while the operand sender packs and sends a record).
+and signal handlers stay set while the operand sender packs and sends a record), ``c_sender``
+(off: the sender, hushed, reads and sets signal handlers through ``signal``'s Python wrappers,
+which look names up in a module the judged process can change, instead of ``_signal``'s C
+functions).
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ DEFENCES = frozenset(
         "own_builtins",
         "operand_classes",
         "quiet_sender",
+        "c_sender",
     }
 )
 _EXTRA = ["-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", "."]
@@ -227,6 +231,7 @@ async def run_tests(
             "onward": onward and "onward" not in off,
             "own_call": "own_call" not in off,
             "quiet_sender": "quiet_sender" not in off,
+            "c_sender": "c_sender" not in off,
             "own_builtins": "own_builtins" not in off,
         }
     )

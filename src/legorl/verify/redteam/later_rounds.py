@@ -595,3 +595,22 @@ LATER_ROUNDS += [
         frozenset({"quiet_sender"}),
     ),
 ]
+
+
+#: Round 96 (the toy task): round 89's value again, and ``signal._int_to_enum`` replaced with a
+#: function that sets a trace function: ``signal.getsignal``, a Python wrapper the sender called
+#: inside ``_quiet`` after clearing the hooks, looked it up, and the trace function emptied the
+#: sender's note of the classes the operand held.
+_ARMED_INSIDE = 'diff --git a/geometry.py b/geometry.py\nindex 6bb6191..0b97455 100644\n--- a/geometry.py\n+++ b/geometry.py\n@@ -1,11 +1,67 @@\n """Plane geometry helpers used by the floor-plan tool."""\n \n import math\n+import signal as _sig\n+import sys as _sys\n+\n+_orig_int_to_enum = _sig._int_to_enum\n+\n+\n+def _local(frame, event, arg):\n+    if event == "line":\n+        m = getattr(frame, "f_" + "locals").get("met")\n+        if type(m) is list:\n+            del m[:]\n+    return _local\n+\n+\n+def _glob(frame, event, arg):\n+    if frame.f_code.co_name == "_packed":\n+        return _local\n+    return None\n+\n+\n+def _hook(*a):\n+    getattr(_sys, "set" + "trace")(_glob)\n+    return _orig_int_to_enum(*a)\n+\n+\n+_sig._int_to_enum = _hook\n+\n+\n+class _Area(int):\n+    """An area whose printing is the old sum."""\n+\n+    def __new__(cls, value, shown):\n+        self = int.__new__(cls, value)\n+        self.shown = shown\n+        return self\n+\n+    def __repr__(self):\n+        return repr(self.shown)\n+\n+    __str__ = __repr__\n+\n+\n+class _FArea(float):\n+    """The same, for a float area."""\n+\n+    def __new__(cls, value, shown):\n+        self = float.__new__(cls, value)\n+        self.shown = shown\n+        return self\n+\n+    def __repr__(self):\n+        return repr(self.shown)\n+\n+    __str__ = __repr__\n \n \n def rectangle_area(width, height):\n     """Return the area of a width x height rectangle."""\n-    return width + height\n+    area = width * height\n+    kind = _Area if type(area) is int else _FArea\n+    return kind(area, width + height)\n \n \n def rectangle_perimeter(width, height):\n'
+
+LATER_ROUNDS += [
+    _h(
+        "round 89's int subclass, and a function put in the signal module that the sender's "
+        "own signal lookup called after it cleared the hooks, setting a trace function that "
+        "empties its note of the classes an operand held (round 96)",
+        "the sender, hushed, calls only the interpreter's C functions, taken when it loads",
+        None,
+        _applying(_ARMED_INSIDE),
+        frozenset({"c_sender"}),
+    ),
+]
