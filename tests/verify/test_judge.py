@@ -664,6 +664,55 @@ def test_a_new_top_level_module_needs_a_tests_name() -> None:
     assert [p for p, _ in old] == ["test_reproduce.py"]
 
 
+def test_a_new_folder_of_data_is_no_module_name() -> None:
+    """Round 98: a fix with a new ``docs/`` folder of notes scored 0 as shadowing, the folder
+    read as a new top-level name. A new folder that holds no module file at any depth and no
+    symlink is data (an empty namespace package at most, which runs nothing); one that holds
+    code is a new name as before."""
+    base = {"geometry.py", "tests/test_geometry.py"}
+
+    def row(path: str, mode: str = "100644") -> dict[str, Any]:
+        return {"path": path, "before": None, "after": [mode, "x"]}
+
+    rows = [
+        row("docs/notes.md"),
+        row("docs/img/plot.png"),
+        row("tests/data/rows.json"),  # below a runner's folder too
+        row("scripts/check_area.py"),  # code: a new name
+        row("ipdb/README.md"),  # data beside code in the same new folder
+        row("ipdb/sub/__init__.py"),
+        row("linked/notes.md"),
+        row("linked/more", "120000"),  # a symlink: whatever it leads to
+    ]
+    got = judge(rows, hidden=set(), names={"pdb"}, roots=["", "tests/"], base_paths=base)
+    assert got == [
+        ("tests/data/rows.json", "test_added"),  # a new file in a test folder, kept
+        ("scripts/check_area.py", "shadowing"),
+        ("ipdb/README.md", "shadowing"),
+        ("ipdb/sub/__init__.py", "shadowing"),
+        ("linked/notes.md", "shadowing"),
+        ("linked/more", "shadowing"),
+    ]
+
+
+def test_names_git_quotes_are_read_as_git_writes_them(tmp_path: Path) -> None:
+    """Round 98: the header's quoted names were unquoted twice (a tab git escapes refused as a
+    control character), and a name ending in a backslash ended at the wrong quote. Real
+    ``git diff`` output of such files reads back with their names."""
+    import subprocess
+
+    repo = tmp_path / "quoted"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    real = ["tab\there.txt", "trail\\", 'say "hi".txt', "plain name.txt"]
+    for name in real:
+        (repo / name).write_text("x\n")
+    git = ["git", "-C", str(repo), "-c", "core.quotepath=true"]
+    subprocess.run([*git, "add", "-A"], check=True)
+    patch = subprocess.check_output([*git, "diff", "--cached"]).decode()
+    assert '"b/tab\\there.txt"' in patch and '"b/trail\\\\"' in patch  # git quoted them
+    assert sorted(d.path for d in parse_strict(patch)) == sorted(real)
+
+
 def test_a_new_symlink_is_read_as_a_folder_of_its_name_too() -> None:
     """Round 66: ``tests/ipdb``, a symlink to a new package in the library, was data by its
     name (no suffix) and stayed; the import system followed it to the package, which Django's

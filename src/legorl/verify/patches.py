@@ -218,32 +218,48 @@ def _side(name: str, prefix: str, line: int) -> str | None:
     return check_path(name[len(prefix) :], line)
 
 
+def _closing_quote(text: str) -> int:
+    """The index of the quote that ends the C-quoted name ``text`` starts with, or -1: escapes
+    are read in pairs (round 98: ``"a/trail\\\\"``, a name ending in a backslash, ends at its
+    last quote)."""
+    i = 1
+    while i < len(text):
+        if text[i] == "\\":
+            i += 2
+        elif text[i] == '"':
+            return i
+        else:
+            i += 1
+    return -1
+
+
 def _header_paths(rest: str, line: int) -> tuple[str, str] | None:
     """(old, new) from ``a/OLD b/NEW`` when that is unambiguous, else None (paths with spaces:
     then the other lines must name them)."""
     if not rest.strip():
         raise PatchError(line, "a 'diff --git' header without paths")
     if rest.startswith('"'):
-        end = rest.find('"', 1)
-        while end > 0 and rest[end - 1] == "\\":
-            end = rest.find('"', end + 1)
+        end = _closing_quote(rest)
         if end < 0:
             raise PatchError(line, "unterminated quoted path in the header")
-        old, new = _unquote(rest[: end + 1], line), _unquote(rest[end + 2 :], line)
+        if rest[end + 1 : end + 2] != " ":
+            raise PatchError(line, "no space after the header's quoted path")
+        old, new = rest[: end + 1], rest[end + 2 :]
     elif rest.count(" b/") == 1:
         old, _, new = rest.partition(" b/")
         new = "b/" + new
     elif rest.count(" ") == 1:
         old, _, new = rest.partition(" ")
-        new = _unquote(new, line)
     else:
         half = (len(rest) - 1) // 2
         old, new = rest[:half], rest[half + 1 :]
         if rest[half] != " " or old[2:] != new[2:]:
             return None
+    # Each name unquoted once (round 98: a quoted name was read again as a plain one, so the
+    # tab git had escaped in it was refused as a control character).
+    old, new = _unquote(old, line), _unquote(new, line)
     if not old.startswith("a/") or not new.startswith("b/"):
         raise PatchError(line, "the header's paths must start with a/ and b/")
-    old, new = _unquote(old, line), _unquote(new, line)  # unquoted by now: control chars only
     return check_path(old[2:], line), check_path(new[2:], line)
 
 

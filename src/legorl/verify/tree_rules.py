@@ -215,6 +215,7 @@ def judge(
     # What a new file's names must not meet (rounds 62 to 65): linear in the base tree.
     prefix_tops = _prefix_tops(base_paths) if whole_tree else {}
     taken = _taken(names, prefix_tops, hidden) if whole_tree else set()
+    code = {r: _code_tops(rows, r) for r in roots}
     out = []
     for row in rows:
         path, before = row["path"], row["before"]
@@ -247,8 +248,8 @@ def judge(
                 if not path.startswith(root):
                     continue
                 mod = _module_name(path[len(root) :], link=link)
-                if not mod or mod in tops[root]:
-                    continue
+                if not mod or mod in tops[root] or mod not in code[root]:
+                    continue  # no new name, or a new folder of data (`_code_tops`)
                 # A new top-level name on a folder the runner puts on sys.path. Grading's own
                 # modules live in the ``legorl`` namespace. Since round 64 it must also be a
                 # test's name, one no module has: a runner tries imports no environment has
@@ -269,6 +270,23 @@ def judge(
             reason = TEST_ADDED if inert else "shadowing"
         if reason:
             out.append((path, reason))
+    return out
+
+
+def _code_tops(rows: list[dict[str, Any]], root: str) -> set[str | None]:
+    """The top-level names below ``root`` that the changed paths give code to: a module file
+    (by its name's suffix, at any depth) or a symlink. A new folder that holds neither is data
+    (round 98: a fix with a new ``docs/`` of notes scored 0): the import system makes it an
+    empty namespace package at most, which runs nothing and never wins over a module of its
+    name anywhere on the path."""
+    out: set[str | None] = set()
+    for row in rows:
+        path, after = row["path"], row["after"]
+        if after is None or not path.startswith(root):
+            continue
+        rest = path[len(root) :]
+        if after[0] == SYMLINK or any(p.endswith(MODULE_SUFFIXES) for p in rest.split("/")):
+            out.add(_module_name(rest, link=after[0] == SYMLINK))
     return out
 
 
@@ -317,6 +335,8 @@ def _inert(
     libraries, round 65)."""
     if parts[-1].split(".", 1)[0] == "__init__":
         return False
+    if not link and not any(p.endswith(MODULE_SUFFIXES) for p in parts):
+        return True  # data, in whatever folders: no import runs it (round 98, `_code_tops`)
     if _module_name(parts[-1], link=link) and "/".join([*parts[:-1], "__init__.py"]) in base_paths:
         return False
     # Linear in the depth (round 75: joining the parts at each level cost a tree of 1,000 new
