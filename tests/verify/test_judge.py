@@ -678,6 +678,7 @@ def test_a_new_folder_of_data_is_no_module_name() -> None:
         row("docs/notes.md"),
         row("docs/img/plot.png"),
         row("tests/data/rows.json"),  # below a runner's folder too
+        row("tests/fixtures/__init__.json"),  # data by its suffix, whatever its stem (round 99)
         row("scripts/check_area.py"),  # code: a new name
         row("ipdb/README.md"),  # data beside code in the same new folder
         row("ipdb/sub/__init__.py"),
@@ -687,6 +688,7 @@ def test_a_new_folder_of_data_is_no_module_name() -> None:
     got = judge(rows, hidden=set(), names={"pdb"}, roots=["", "tests/"], base_paths=base)
     assert got == [
         ("tests/data/rows.json", "test_added"),  # a new file in a test folder, kept
+        ("tests/fixtures/__init__.json", "test_added"),
         ("scripts/check_area.py", "shadowing"),
         ("ipdb/README.md", "shadowing"),
         ("ipdb/sub/__init__.py", "shadowing"),

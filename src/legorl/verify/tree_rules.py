@@ -333,10 +333,12 @@ def _inert(
     none. No package's ``__init__`` is inert, nor a module in a package's folder: a framework
     imports a package's members by walking it, whatever their names (Django's template tag
     libraries, round 65)."""
+    if not link and not any(p.endswith(MODULE_SUFFIXES) for p in parts):
+        # data, in whatever folders and by whatever name (round 99: ``__init__.json``): no
+        # import runs it (round 98, `_code_tops`)
+        return True
     if parts[-1].split(".", 1)[0] == "__init__":
         return False
-    if not link and not any(p.endswith(MODULE_SUFFIXES) for p in parts):
-        return True  # data, in whatever folders: no import runs it (round 98, `_code_tops`)
     if _module_name(parts[-1], link=link) and "/".join([*parts[:-1], "__init__.py"]) in base_paths:
         return False
     # Linear in the depth (round 75: joining the parts at each level cost a tree of 1,000 new
