@@ -1162,6 +1162,11 @@ def test_runner_internals_in_added_code_are_suspect_outside_tests_and_tooling() 
     assert runner_tamper_suspects(_diff("geo.py", reach), task) == ["geo.py: _pytest"]
     assert runner_tamper_suspects(_diff("tests/test_geo.py", reach), task) == []
     assert runner_tamper_suspects(_diff("geo.py", "x = 1\n"), task) == []
+    assert runner_tamper_suspects(_diff("bin/run", reach), task) == ["bin/run: _pytest"]
+    assert runner_tamper_suspects(_diff("site.pth", reach), task) == ["site.pth: _pytest"]
+    # notes and data run nowhere (round 100: a .gitignore naming .pytest_cache/ was flagged)
+    assert runner_tamper_suspects(_diff(".gitignore", ".pytest_cache/\n"), task) == []
+    assert runner_tamper_suspects(_diff("docs/notes.md", reach), task) == []
     tooling = dataclasses.replace(task, meta={**task.meta, "test_tooling": True})
     assert runner_tamper_suspects(_diff("geo.py", reach), tooling) == []
 
