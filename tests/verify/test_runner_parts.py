@@ -1519,16 +1519,41 @@ def test_the_result_writing_scan_is_linear_on_a_diff_made_to_backtrack() -> None
     assert done.stdout.split() == ["False", "True", "True", "False"]
 
 
-def test_signed_records_past_the_structure_budget_count_for_nothing() -> None:
+def test_signed_records_past_what_they_may_cost_decoded_count_for_nothing() -> None:
     # Round 6: the judged code can sign records (the channel is in its process); one signed
-    # list of 29 million numbers decoded to 1.1 GB twice. A stream's records may decode
-    # STRUCTURE brackets, commas and colons in all; past that a record counts as forged.
+    # list of 29 million numbers decoded to 1.1 GB twice. Round 101: 11 MB of lists nested
+    # 400 deep, inside the old budget of brackets, commas and colons, grew the judge by 380
+    # MB. A stream's records may cost DECODED_BYTES decoded in all (an upper bound from their
+    # text); past that a record counts as forged.
     import hashlib
     import hmac
     import json
+    import tracemalloc
 
-    from legorl.verify.parsers import STRUCTURE, records
+    from legorl.verify.parsers import DECODED_BYTES, decoded_cost, records
     from legorl.verify.pytest_report import GENESIS, MARK
+
+    # The bound holds on every shape JSON decodes to (measured, not assumed).
+    shapes = {
+        "nested lists": "[" * 400 + "]" * 400,
+        "empty lists": "[" + ",".join(["[]"] * 2000) + "]",
+        "empty dicts": "[" + ",".join(["{}"] * 2000) + "]",
+        "one-key dicts": "[" + ",".join(['{"a":0}'] * 2000) + "]",
+        "nested dicts": '{"a":' * 400 + "0" + "}" * 400,
+        "small ints": "[" + ",".join(["0"] * 4000) + "]",
+        "large ints": "[" + ",".join(["1234567890123"] * 4000) + "]",
+        "floats": "[" + ",".join(["1.5"] * 4000) + "]",
+        "strings": "[" + ",".join(['"abcdefgh"'] * 4000) + "]",
+        "escaped strings": "[" + ",".join(['"\\u00e9\\n"'] * 4000) + "]",
+        "long string": '"' + "x" * 100_000 + '"',
+    }
+    for name, text in shapes.items():
+        tracemalloc.start()
+        value = json.loads(text)
+        used = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        del value
+        assert used <= decoded_cost(text.encode()), (name, used, decoded_cost(text.encode()))
 
     key = b"k" * 32
 
@@ -1541,11 +1566,33 @@ def test_signed_records_past_the_structure_budget_count_for_nothing() -> None:
         return b"\n".join(out)
 
     small = json.dumps({"event": "finish", "exitstatus": 0}).encode()
-    flood = json.dumps({"event": "tampered", "what": [0] * (STRUCTURE + 10)}).encode()
+    flood = json.dumps({"event": "tampered", "what": [0] * (DECODED_BYTES // 60)}).encode()
     found, forged = records(chain([small, flood, small]), key)
     assert [r["event"] for r in found] == ["finish"] and forged == 2  # the chain breaks there
+    nested: list = [0]
+    for _ in range(400):  # round 101's shape
+        nested = [nested]
+    deep = json.dumps({"event": "z", "p": nested}).encode()
+    many = DECODED_BYTES // decoded_cost(deep) + 50
+    found, forged = records(chain([deep] * many), key)
+    assert len(found) > 0 and len(found) * decoded_cost(deep) <= DECODED_BYTES
+    assert forged == many - len(found)  # the chain breaks at the first record past it
     found, forged = records(chain([small, small]), key)
     assert len(found) == 2 and forged == 0
+
+
+def test_a_signed_record_of_the_wrong_shape_counts_for_nothing() -> None:
+    # Round 101: a signed ``finish`` record with ``failed: Infinity`` raised OverflowError
+    # out of the parser (the grading then failed, and the control made it the patch's 0).
+    from legorl.verify.parsers import PytestReportParser
+
+    odd = [
+        {"event": "finish", "exitstatus": 0, "failed": float("inf")},
+        {"event": "finish", "exitstatus": 0, "failed": "1"},
+        {"event": "test", "nodeid": ["x"], "outcome": "passed", "when": "call"},
+    ]
+    results = PytestReportParser().read(odd, 0)
+    assert results.forged_lines == 3 and not results.finished and not results.outcomes
 
 
 def test_a_verdict_holds_only_small_plain_json() -> None:
