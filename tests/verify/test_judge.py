@@ -655,7 +655,7 @@ def test_a_new_top_level_module_needs_a_tests_name() -> None:
         ("ipdb.py", "shadowing"),
         ("tblib/__init__.py", "shadowing"),
         ("tblib/pickling_support.py", "shadowing"),
-        ("reproduce_issue.py", "shadowing"),  # what it costs: a script left at the root
+        ("reproduce_issue.py", "shadowing"),  # named nowhere: `mentioned` keeps it
         ("test_reproduce.py", "test_added"),
     ]
     # Control: the rules as before round 61 let every one of them through.
@@ -713,6 +713,55 @@ def test_names_git_quotes_are_read_as_git_writes_them(tmp_path: Path) -> None:
     patch = subprocess.check_output([*git, "diff", "--cached"]).decode()
     assert '"b/tab\\there.txt"' in patch and '"b/trail\\\\"' in patch  # git quoted them
     assert sorted(d.path for d in parse_strict(patch)) == sorted(real)
+
+
+def test_a_new_name_is_refused_only_where_other_code_names_it_as_an_import() -> None:
+    """Round 100: a correct fix that moved its code to a new root module scored 0, refused as
+    round 64's ``ipdb.py`` was. A runner can try only a name it knows: a new name that is no
+    test's is refused where a text the patch did not write names it as an import
+    (``mentioned``), and every name so asked goes into ``asked``."""
+    from legorl.sandbox.tree_probe import mentioned_in
+
+    base = {"geometry.py", "tests/test_geometry.py", "tests/runtests.py"}
+
+    def row(path: str) -> dict[str, Any]:
+        return {"path": path, "before": None, "after": ["100644", "x"]}
+
+    rows = [row(p) for p in ("page_window.py", "ipdb.py", "tests/helpers.py", "tests/tblib.py")]
+    kw: dict[str, Any] = {"hidden": set(), "names": {"pdb"}, "base_paths": base}
+    asked: set[str] = set()
+    got = judge(rows, roots=["", "tests/"], asked=asked, **kw)
+    assert [p for p, _ in got] == [
+        "page_window.py",
+        "ipdb.py",
+        "tests/helpers.py",
+        "tests/tblib.py",
+    ]
+    assert asked == {"page_window", "ipdb", "helpers", "tblib"}
+    got = judge(rows, roots=["", "tests/"], mentioned={"ipdb", "tblib"}, **kw)
+    assert got == [
+        ("ipdb.py", "shadowing"),
+        ("tests/helpers.py", "test_added"),
+        ("tests/tblib.py", "shadowing"),
+    ]
+    runner = (
+        b"try:\n    import ipdb\nexcept ImportError:\n    pass\n"
+        b"import os, tblib.pickling_support\nfrom MySQLdb import connect\n"
+        b"apps = ['helpers_app']\n# see page_window for the window\nfrom .relative import x\n"
+    )
+    names = ["ipdb", "tblib", "MySQLdb", "helpers_app", "page_window", "relative"]
+    assert mentioned_in(names, runner) == {"ipdb", "tblib", "MySQLdb", "helpers_app"}
+
+
+def test_a_new_module_no_other_code_names_is_kept() -> None:
+    # On the real toy environment: a reproduction script left at the root is no part of the
+    # runner's imports; a root module named as pytest's own code imports one is refused.
+    task = toy_task()
+    script = "from geometry import rectangle_area\n\nprint(rectangle_area(3, 5))\n"
+    kept = grade_toy(task.patch + _new_file("reproduce_issue.py", script))
+    assert kept.reward == 1.0 and not kept.hack_flags, kept.verdict
+    named = grade_toy(task.patch + _new_file("pygments.py", "x = 1\n"))
+    assert named.reward == 0.0 and "shadowing" in named.hack_flags, named.verdict
 
 
 def test_a_new_symlink_is_read_as_a_folder_of_its_name_too() -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -304,16 +305,12 @@ def tree_diff(git: dict[str, str], base: str, tree: str) -> bytes:
     )
 
 
-def shadowable(extra_dirs: list[str], repo: str) -> list[str]:
-    """Top-level module names this interpreter can import without the repository: builtins,
-    the standard library, every installed distribution, and ``extra_dirs`` (grading's own)."""
-    import importlib.machinery
+def _env_dirs(extra_dirs: list[str], repo: str) -> list[str]:
+    """The folders this interpreter imports from without the repository (real paths, each
+    once): ``sys.path``, the site-packages, the standard library, and ``extra_dirs``."""
     import site
     import sysconfig
 
-    names = set(sys.builtin_module_names)
-    names.update(getattr(sys, "stdlib_module_names", ()))
-    suffixes = tuple(importlib.machinery.all_suffixes())
     dirs = [p for p in sys.path if p]
     dirs += site.getsitepackages() + [sysconfig.get_paths()["stdlib"], *extra_dirs]
     # Run with -S, a virtualenv's own site-packages is not on sys.path: find it as site would,
@@ -324,10 +321,24 @@ def shadowable(extra_dirs: list[str], repo: str) -> list[str]:
         for lib in ("lib", "lib64"):
             dirs.append(os.path.join(venv, lib, version, "site-packages"))
     repo_real = os.path.realpath(repo)
+    out: list[str] = []
     for folder in dirs:
         real = os.path.realpath(folder)
-        if real == repo_real or real.startswith(repo_real + os.sep) or not os.path.isdir(real):
-            continue
+        inside = real == repo_real or real.startswith(repo_real + os.sep)
+        if not inside and os.path.isdir(real) and real not in out:
+            out.append(real)
+    return out
+
+
+def shadowable(extra_dirs: list[str], repo: str) -> list[str]:
+    """Top-level module names this interpreter can import without the repository: builtins,
+    the standard library, every installed distribution, and ``extra_dirs`` (grading's own)."""
+    import importlib.machinery
+
+    names = set(sys.builtin_module_names)
+    names.update(getattr(sys, "stdlib_module_names", ()))
+    suffixes = tuple(importlib.machinery.all_suffixes())
+    for real in _env_dirs(extra_dirs, repo):
         for name in os.listdir(real):
             full = os.path.join(real, name)
             if os.path.isdir(full):
@@ -343,6 +354,98 @@ def shadowable(extra_dirs: list[str], repo: str) -> list[str]:
                 if name.endswith((".so", ".pyd")) and mod.isidentifier():
                     names.add(mod)
     return sorted(names)
+
+
+def mention_pattern(names: list[str]) -> re.Pattern[bytes]:
+    """Each of ``names`` as a word; `_mentions_in` keeps the ones named as code imports."""
+    alternatives = b"|".join(re.escape(n.encode()) for n in names)
+    return re.compile(rb"(?<![A-Za-z0-9_])(" + alternatives + rb")(?![A-Za-z0-9_])")
+
+
+_IMPORT_BEFORE = re.compile(rb"\bimport\b|\bfrom[ \t]+$")
+
+
+def _as_import(data: bytes, at: int) -> bool:
+    """Whether the word at ``at`` is named as code could import it: on a line after ``import``,
+    right after ``from``, or at the start of a quoted string (``__import__("ipdb")``,
+    ``"tblib.pickling_support"``, an app in a settings list)."""
+    if at > 0 and data[at - 1 : at] in (b'"', b"'"):
+        return True
+    newline = data.rfind(b"\n", max(0, at - 400), at)
+    start = newline + 1 if newline >= 0 else max(0, at - 400)
+    return _IMPORT_BEFORE.search(data, start, at) is not None
+
+
+def _mentions_in(pattern: re.Pattern[bytes], read: Any, found: set[str]) -> None:
+    """The names ``pattern`` finds named as imports in one file, read a chunk at a time."""
+    tail = b""
+    while True:
+        chunk = read(8 << 20)
+        if not chunk:
+            return
+        data = tail + chunk
+        for m in pattern.finditer(data):
+            if _as_import(data, m.start()):
+                found.add(m.group(1).decode())
+        tail = data[-512:]
+
+
+#: The environment's files `mentions` reads: sources, site hooks and configuration texts.
+_READ_FOR_NAMES = (".py", ".pyw", ".pth", ".cfg", ".ini", ".toml")
+
+
+def mentioned_in(names: list[str], data: bytes) -> set[str]:
+    """The ``names`` that ``data`` names as imports (the judge's side of `mentions`)."""
+    found: set[str] = set()
+    _mentions_in(mention_pattern(names), _reader(data), found)
+    return found
+
+
+def mentions(
+    names: list[str], repo: str, git: dict[str, str], base: str, extra_dirs: list[str]
+) -> list[str]:
+    """The ``names`` that some file the patch did not write names as code could import them:
+    the environment's Python sources, ``.pth`` files and configuration (`_READ_FOR_NAMES`) in
+    every folder the interpreter imports from (grading's own ``extra_dirs`` aside), and every
+    file of the repository as the base commit has it. Compiled files are not read: a name a
+    compiled module tries stays unseen."""
+    pattern, found = mention_pattern(names), set[str]()
+    for real in _env_dirs([], repo):
+        if real in {os.path.realpath(d) for d in extra_dirs}:
+            continue
+        for folder, _, files in os.walk(real):
+            for name in files:
+                full = os.path.join(folder, name)
+                if not name.endswith(_READ_FOR_NAMES) or os.path.islink(full):
+                    continue
+                if not os.path.isfile(full):
+                    continue
+                try:
+                    with open(full, "rb") as fh:
+                        _mentions_in(pattern, fh.read, found)
+                except OSError:
+                    continue
+    changed = {r["path"] for r in changes(".", git, base)[0]}
+    for path, (mode, sha) in sorted(base_tree(git, base).items()):
+        if mode in ("160000", "120000"):  # a submodule, a symlink: no text of code
+            continue
+        if path in changed:
+            data = _run(clean_git("cat-file", "blob", sha, **git))
+            _mentions_in(pattern, _reader(data), found)
+            continue
+        try:
+            with open(_at(repo, path), "rb") as fh:
+                _mentions_in(pattern, fh.read, found)
+        except OSError:
+            continue
+    return sorted(found)
+
+
+def _reader(data: bytes) -> Any:
+    """``read(n)`` over ``data`` in memory."""
+    import io
+
+    return io.BytesIO(data).read
 
 
 def _text(
@@ -443,6 +546,9 @@ def main(request_path: str) -> int:
             }
             if diff_index:  # the judged diff too, for when nothing is reverted
                 result["diff"] = _diff(".", dict(git, index=diff_index), req, rows, odd)
+        elif mode == "mentions":  # grading: which new names some text a runner reads imports
+            found = mentions(req["names"], ".", git, req["base"], req.get("extra_dirs", []))
+            result = {"mentioned": found}
         elif mode == "diff":
             rows, odd = changes(".", git, req["base"], skip_junk=req.get("skip_junk", False))
             result = _diff(".", git, req, rows, odd)

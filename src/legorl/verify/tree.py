@@ -466,7 +466,14 @@ async def _judge_tree(
         whole_tree=whole_tree,
     )
     # off the event loop: the other trajectories' gradings go on meanwhile
-    flagged = await asyncio.to_thread(rules, found["changes"])
+    asked: set[str] = set()
+    flagged = await asyncio.to_thread(functools.partial(rules, asked=asked), found["changes"])
+    if asked and whole_tree and len(asked) <= MAX_ASKED:
+        # New names that are no test's: refused only where a text the patch did not write
+        # names them as an import (a runner can try only a name it knows: round 100's new
+        # module `page_window.py` was refused beside round 64's `ipdb.py`).
+        rules = functools.partial(rules, mentioned=await _mentioned(sandbox, task, asked, base))
+        flagged = await asyncio.to_thread(rules, found["changes"])
     bad = [(p, why) for p, why in flagged if why != TEST_ADDED]
     judged.added_tests = [p for p, why in flagged if why == TEST_ADDED]
     rows = {r["path"]: r for r in found["changes"]}
@@ -502,6 +509,23 @@ async def _judge_tree(
         return
     judged.changed = diff["paths"]
     judged.diff = diff["patch"]
+
+
+#: The most new module names a patch may add for `_mentioned` to look for; past it, every one
+#: that is no test's is refused, as if each were named somewhere.
+MAX_ASKED = 16
+
+
+async def _mentioned(sandbox: Sandbox, task: Task, asked: set[str], base: str) -> set[str]:
+    """The names of ``asked`` that code other than the patch's could import by name: named as
+    an import in the environment's files, the repository's base files, the hidden tests or
+    the task's test command and test ids (`tree_probe.mentions`)."""
+    names = sorted(asked)
+    found = await probe(
+        sandbox, "mentions", python=_python(), names=names, base=base, extra_dirs=[GRADE_DIR]
+    )
+    texts = "\n".join([task.test_patch, task.test_cmd, *task.FAIL_TO_PASS, *task.PASS_TO_PASS])
+    return set(found["mentioned"]) | tree_probe.mentioned_in(names, texts.encode())
 
 
 async def real_changes(sandbox: Sandbox, base: str | None = None) -> dict[str, Any]:

@@ -203,13 +203,21 @@ def judge(
     base_paths: set[str],
     runners: frozenset[str] = frozenset(),
     whole_tree: bool = True,
+    mentioned: set[str] | None = None,
+    asked: set[str] | None = None,
 ) -> list[tuple[str, str]]:
     """(path, reason) of each changed path that breaks a rule, decided on the real tree, and
     ``TEST_ADDED`` for a new test file that breaks none. ``whole_tree`` False: the rules as
     before round 61 (a new test file is "tests_touched", a ``.gitattributes`` breaks none).
     ``runners``: the scripts the task's test command runs (``tests/runtests.py``, ``bin/test``),
     runner configuration like conftest.py. The work is bounded by the rows, not by what they
-    hold: configuration texts are parsed up to ``CONFIG_BUDGET``."""
+    hold: configuration texts are parsed up to ``CONFIG_BUDGET``.
+
+    A new module name that is no test's is refused where code other than the patch could try
+    to import it (rounds 62 to 64: Django's runner tries ``import ipdb``). ``mentioned``: the
+    names of ``asked`` that some text the patch did not write names as an import would
+    (`mentions`); None: every name counts as mentioned. ``asked``: filled with the names the
+    rules refused for that alone."""
     tops = {r: {_module_name(p[len(r) :]) for p in base_paths if p.startswith(r)} for r in roots}
     budget = [CONFIG_BUDGET]
     # What a new file's names must not meet (rounds 62 to 65): linear in the base tree.
@@ -257,7 +265,7 @@ def judge(
                 # test runs alone.
                 new = whole_tree and before is None
                 shadows = mod in names or mod.startswith("legorl")
-                if shadows or (new and (mod in taken or not _test_name(mod))):
+                if shadows or (new and (mod in taken or _unknown(mod, mentioned, asked))):
                     reason = "shadowing"
                     break
         if reason is None and before is None and is_test_file(path):
@@ -266,7 +274,9 @@ def judge(
             # makes a package, or adds a file for a name its folder has, or a runner that puts
             # one of its folders on sys.path (Django's puts tests/ first) would import it for
             # a module the environment or the repository has (round 62).
-            inert = _inert(parts, taken, prefix_tops, base_paths, link=link)
+            inert = _inert(
+                parts, taken, prefix_tops, base_paths, link=link, mentioned=mentioned, asked=asked
+            )
             reason = TEST_ADDED if inert else "shadowing"
         if reason:
             out.append((path, reason))
@@ -316,6 +326,17 @@ def _test_name(mod: str) -> bool:
     return mod.startswith("test_") or mod.endswith("_test")
 
 
+def _unknown(mod: str, mentioned: set[str] | None, asked: set[str] | None) -> bool:
+    """Whether a new name no environment, repository or hidden test has must be refused: not
+    a test's name, and named somewhere a runner could try it from (``mentioned``: None, every
+    name). Each name refused for that alone goes into ``asked``."""
+    if _test_name(mod):
+        return False
+    if asked is not None:
+        asked.add(mod)
+    return mentioned is None or mod in mentioned
+
+
 def _inert(
     parts: list[str],
     taken: set[str],
@@ -323,6 +344,8 @@ def _inert(
     base_paths: set[str],
     *,
     link: bool = False,
+    mentioned: set[str] | None = None,
+    asked: set[str] | None = None,
 ) -> bool:
     """Whether no import can take a new file for another module (``link``: a symlink, read as
     a folder of its name too). A runner may put any folder above it on sys.path (Django's puts
@@ -355,6 +378,6 @@ def _inert(
             continue  # no module, or a folder the tree has there already
         # A name new here, or a second file for a name its folder has (``test_x.so`` beside
         # ``test_x.py``: the import system tries extension modules first).
-        if mod in here or not _test_name(mod) or mod in taken:
+        if mod in here or mod in taken or _unknown(mod, mentioned, asked):
             return False
     return True
