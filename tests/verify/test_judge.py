@@ -751,6 +751,12 @@ def test_a_new_name_is_refused_only_where_other_code_names_it_as_an_import() -> 
     )
     names = ["ipdb", "tblib", "MySQLdb", "helpers_app", "page_window", "relative"]
     assert mentioned_in(names, runner) == {"ipdb", "tblib", "MySQLdb", "helpers_app"}
+    # Round 103: a module's name need not be an identifier (the standard library imports
+    # ``_sysconfigdata_…-linux-gnu`` by a name it builds), nor a new one's.
+    data = "_sysconfigdata__linux_x86_64-linux-gnu"
+    odd = [row(f"{data}.py"), row("my-tool.py")]
+    got = judge(odd, roots=[""], hidden=set(), names={data}, base_paths=base, mentioned=set())
+    assert got == [(f"{data}.py", "shadowing")]
 
 
 def test_a_new_module_no_other_code_names_is_kept() -> None:

@@ -341,17 +341,18 @@ def shadowable(extra_dirs: list[str], repo: str) -> list[str]:
     for real in _env_dirs(extra_dirs, repo):
         for name in os.listdir(real):
             full = os.path.join(real, name)
+            # Any name, identifier or not: ``import_module`` takes one with a hyphen (round 103)
             if os.path.isdir(full):
-                if name.isidentifier():
+                if "." not in name:
                     names.add(name)
                 continue
             for suffix in suffixes:
-                if name.endswith(suffix) and name[: -len(suffix)].isidentifier():
+                if name.endswith(suffix) and name[: -len(suffix)]:
                     names.add(name[: -len(suffix)])
                     break
             else:
                 mod = name.split(".", 1)[0]
-                if name.endswith((".so", ".pyd")) and mod.isidentifier():
+                if name.endswith((".so", ".pyd")) and mod:
                     names.add(mod)
     return sorted(names)
 

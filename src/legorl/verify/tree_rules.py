@@ -145,13 +145,16 @@ def _module_name(rest: str, *, link: bool = False) -> str | None:
 
 
 def _module_top(top: str, *, deeper: bool, link: bool = False) -> str | None:
-    """``_module_name`` of a path whose first part is ``top`` (``deeper``: more follow)."""
-    if deeper or (link and top.isidentifier()):
-        return top if top.isidentifier() else None
+    """``_module_name`` of a path whose first part is ``top`` (``deeper``: more follow). A name
+    need not be an identifier: the import system finds ``importlib.import_module("a-b")`` in
+    ``a-b.py`` (round 103: the standard library loads ``_sysconfigdata_…-linux-gnu`` so); a
+    folder's name with a dot in it is no top-level name (a dotted name is a submodule's)."""
+    if deeper or (link and "." not in top):
+        return top if top and "." not in top else None
     for suffix in MODULE_SUFFIXES:
         if top.endswith(suffix):
             stem = top[: -len(suffix)].split(".", 1)[0]
-            return stem if stem.isidentifier() else None
+            return stem or None
     return None
 
 
