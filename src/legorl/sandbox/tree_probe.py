@@ -403,7 +403,12 @@ def mentioned_in(names: list[str], data: bytes) -> set[str]:
 
 
 def mentions(
-    names: list[str], repo: str, git: dict[str, str], base: str, extra_dirs: list[str]
+    names: list[str],
+    repo: str,
+    git: dict[str, str],
+    base: str,
+    extra_dirs: list[str],
+    links: bool = True,
 ) -> list[str]:
     """The ``names`` that some file the patch did not write names as code could import them:
     the environment's Python sources, ``.pth`` files and configuration (`_READ_FOR_NAMES`) in
@@ -411,18 +416,25 @@ def mentions(
     file of the repository as the base commit has it. Compiled files are not read: a name a
     compiled module tries stays unseen."""
     pattern, found = mention_pattern(names), set[str]()
+    seen: set[str] = set()
     for real in _env_dirs([], repo):
         if real in {os.path.realpath(d) for d in extra_dirs}:
             continue
         for folder, _, files in os.walk(real):
             for name in files:
                 full = os.path.join(folder, name)
-                if not name.endswith(_READ_FOR_NAMES) or os.path.islink(full):
+                # A symlink is read where it leads (round 104: Debian's sitecustomize.py, a
+                # link into /etc, imports apport_python_hook at every interpreter's start).
+                target = os.path.realpath(full)
+                if not name.endswith(_READ_FOR_NAMES) or target in seen:
                     continue
-                if not os.path.isfile(full):
+                if not links and os.path.islink(full):  # a control only
+                    continue
+                seen.add(target)
+                if not os.path.isfile(target):
                     continue
                 try:
-                    with open(full, "rb") as fh:
+                    with open(target, "rb") as fh:
                         _mentions_in(pattern, fh.read, found)
                 except OSError:
                     continue
@@ -548,7 +560,14 @@ def main(request_path: str) -> int:
             if diff_index:  # the judged diff too, for when nothing is reverted
                 result["diff"] = _diff(".", dict(git, index=diff_index), req, rows, odd)
         elif mode == "mentions":  # grading: which new names some text a runner reads imports
-            found = mentions(req["names"], ".", git, req["base"], req.get("extra_dirs", []))
+            found = mentions(
+                req["names"],
+                ".",
+                git,
+                req["base"],
+                req.get("extra_dirs", []),
+                links=req.get("links", True),
+            )
             result = {"mentioned": found}
         elif mode == "diff":
             rows, odd = changes(".", git, req["base"], skip_junk=req.get("skip_junk", False))

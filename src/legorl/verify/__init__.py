@@ -76,7 +76,9 @@ class VerifyConfig:
     #: .git paths not refused, the old git and fallbacks) and "neutral_git" (grading's git dir
     #: keeps the repository's configuration, and the tree's attributes reach its git) and
     #: "put_back_fails" (the tree rules as before round 61: a patch whose changes the grader
-    #: put back is graded on the rest, a new test file is deleted, a ``.gitattributes`` kept).
+    #: put back is graded on the rest, a new test file is deleted, a ``.gitattributes`` kept)
+    #: and "mentions_through_links" (the scan for where a new module's name is imported reads
+    #: no symlinked file of the environment).
     defences_off: frozenset[str] = frozenset()
     #: Where gold records are cached (None: legorl's cache folder, ``gold/``).
     gold_cache: Path | None = None

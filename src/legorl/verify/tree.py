@@ -61,7 +61,9 @@ PROBE_LIMIT = 64 << 20
 MAX_PATCH = PATCH_BYTES
 
 #: The patch phase's switches (``VerifyConfig.defences_off``), for the red team's controls.
-DEFENCES = frozenset({"judge_tree", "strict_patch", "neutral_git", "put_back_fails"})
+DEFENCES = frozenset(
+    {"judge_tree", "strict_patch", "neutral_git", "put_back_fails", "mentions_through_links"}
+)
 
 
 @dataclass(slots=True)
@@ -422,7 +424,8 @@ async def apply_model_patch(
             return judged
     if "judge_tree" not in defences_off:
         whole = "put_back_fails" not in defences_off
-        await _judge_tree(sandbox, task, judged, runners, whole_tree=whole)
+        links = "mentions_through_links" not in defences_off
+        await _judge_tree(sandbox, task, judged, runners, whole_tree=whole, links=links)
     else:
         judged.diff = patch
     return judged
@@ -435,6 +438,7 @@ async def _judge_tree(
     runners: frozenset[str] = frozenset(),
     *,
     whole_tree: bool = True,
+    links: bool = True,
 ) -> None:
     base = await _base_sha(sandbox)
     # The environment's own interpreter, isolated: it knows what the environment can import.
@@ -472,7 +476,8 @@ async def _judge_tree(
         # New names that are no test's: refused only where a text the patch did not write
         # names them as an import (a runner can try only a name it knows: round 100's new
         # module `page_window.py` was refused beside round 64's `ipdb.py`).
-        rules = functools.partial(rules, mentioned=await _mentioned(sandbox, task, asked, base))
+        mentioned = await _mentioned(sandbox, task, asked, base, links=links)
+        rules = functools.partial(rules, mentioned=mentioned)
         flagged = await asyncio.to_thread(rules, found["changes"])
     bad = [(p, why) for p, why in flagged if why != TEST_ADDED]
     judged.added_tests = [p for p, why in flagged if why == TEST_ADDED]
@@ -516,13 +521,22 @@ async def _judge_tree(
 MAX_ASKED = 16
 
 
-async def _mentioned(sandbox: Sandbox, task: Task, asked: set[str], base: str) -> set[str]:
+async def _mentioned(
+    sandbox: Sandbox, task: Task, asked: set[str], base: str, *, links: bool = True
+) -> set[str]:
     """The names of ``asked`` that code other than the patch's could import by name: named as
     an import in the environment's files, the repository's base files, the hidden tests or
-    the task's test command and test ids (`tree_probe.mentions`)."""
+    the task's test command and test ids (`tree_probe.mentions`). ``links`` off (a control
+    only): the environment's symlinked files are not read, as before round 104."""
     names = sorted(asked)
     found = await probe(
-        sandbox, "mentions", python=_python(), names=names, base=base, extra_dirs=[GRADE_DIR]
+        sandbox,
+        "mentions",
+        python=_python(),
+        names=names,
+        base=base,
+        extra_dirs=[GRADE_DIR],
+        links=links,
     )
     texts = "\n".join([task.test_patch, task.test_cmd, *task.FAIL_TO_PASS, *task.PASS_TO_PASS])
     return set(found["mentioned"]) | tree_probe.mentioned_in(names, texts.encode())
