@@ -288,6 +288,43 @@ def test_task_sources_are_read_from_files_and_a_bad_one_is_named(tmp_path: Path)
         mt.read_module(folder)
 
 
+def test_a_table_call_times_out_on_its_own_cpu_not_another_threads() -> None:
+    """A held table's call is a TimeoutError past NEIGHBOUR_S seconds of CPU (a neighbour's
+    endless loop). The alarm counts the whole process's CPU: in the full suite, a busy thread
+    of another test made a correct call time out, and the table held a TimeoutError the
+    correct code does not raise. The budget is the calling thread's own."""
+    import threading
+    import time
+
+    from fixtures import held_tables as ht
+
+    def spends(seconds: float) -> int:
+        start, n = time.thread_time(), 0
+        while time.thread_time() - start < seconds:
+            n += 1
+        return 1
+
+    def endless() -> int:
+        while True:
+            pass
+
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    other = threading.Thread(target=busy, daemon=True)
+    other.start()
+    try:
+        # its own CPU stays under the budget while the process's goes past it
+        assert ht._outcome(spends, (ht.NEIGHBOUR_S * 0.7,), ()) == (1, False)
+        assert ht._outcome(endless, (), ()) == ("TimeoutError", True)
+    finally:
+        stop.set()
+        other.join()
+
+
 def test_held_tables_fail_a_fix_right_only_near_the_example() -> None:
     """Round 9's forgery, on every toy bug: a "fix" that is right on every input the table's
     near side could try (each argument one of its values near the issue's example) and keeps
