@@ -290,8 +290,9 @@ def _code_tops(rows: list[dict[str, Any]], root: str) -> set[str | None]:
     """The top-level names below ``root`` that the changed paths give code to: a module file
     (by its name's suffix, at any depth) or a symlink. A new folder that holds neither is data
     (round 98: a fix with a new ``docs/`` of notes scored 0): the import system makes it an
-    empty namespace package at most, which runs nothing and never wins over a module of its
-    name anywhere on the path."""
+    empty namespace package at most, which runs no code and never wins over a module of its
+    name anywhere on the path (an import that failed may succeed as that empty package, which
+    can break code, never carry a fix: round 108)."""
     out: set[str | None] = set()
     for row in rows:
         path, after = row["path"], row["after"]
