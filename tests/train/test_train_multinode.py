@@ -87,9 +87,11 @@ def _step(tmp: Path, name: str, n: int, weights: str, prompt: int, resume: str) 
     if n == 1:
         cmd = [sys.executable, *script]
     else:
+        # --standalone: the launcher binds its own rendezvous port (a port found free, then
+        # closed and passed on, can be taken by another test's server before it binds)
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n),
-            "--master_port", str(_free_port()), *script,
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc_per_node", str(n), *script,
         ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
