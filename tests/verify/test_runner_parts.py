@@ -922,6 +922,27 @@ def test_literals_leave_the_test_file_and_the_judge_holds_them() -> None:
     assert any(isinstance(v, rewrite.Approx) and v.expected == 0.3 for v in held)
 
 
+def test_a_check_written_with_a_stray_comma_is_still_a_judged_site() -> None:
+    # Round 109: ``self.assertEqual(a, b),`` is a one-item tuple of the check, which runs it
+    # all the same; the rewriter left it in process.
+    source = """
+        import unittest
+
+        from lib import area
+
+
+        class T(unittest.TestCase):
+            def test_equal(self):
+                self.assertEqual(area(3, 5), 15),
+    """
+    test = f"{TESTS}::T::test_equal"
+    plan = rewrite.plan_files([test], {TESTS: textwrap.dedent(source)}, django=False,
+                              pytest=True, inproc=set())  # fmt: skip
+    (site,) = plan.sites.values()
+    assert site.mode == "judge" and site.counted, site
+    assert 15 in [v for h, v in site.held if h] and "15" not in plan.files[TESTS]
+
+
 def test_equality_that_lies_never_reaches_the_judge(tmp_path: Path) -> None:
     # A float whose __eq__ is always true, and a str subclass that lies in every way it can:
     # both become their exact base type from their own data before they leave the process.
