@@ -408,17 +408,20 @@ def mentions(
     git: dict[str, str],
     base: str,
     extra_dirs: list[str],
+    changed: set[str],
     links: bool = True,
 ) -> list[str]:
     """The ``names`` that some file the patch did not write names as code could import them:
     the environment's Python sources, ``.pth`` files and configuration (`_READ_FOR_NAMES`) in
     every folder the interpreter imports from (grading's own ``extra_dirs`` aside), and every
     file of the repository as the base commit has it. Compiled files are not read: a name a
-    compiled module tries stays unseen."""
+    compiled module tries stays unseen. ``changed``: the paths the patch changed (the survey's),
+    read from the base commit."""
     pattern, found = mention_pattern(names), set[str]()
     seen: set[str] = set()
+    grading = {os.path.realpath(d) for d in extra_dirs}
     for real in _env_dirs([], repo):
-        if real in {os.path.realpath(d) for d in extra_dirs}:
+        if real in grading:
             continue
         for folder, _, files in os.walk(real):
             for name in files:
@@ -438,7 +441,6 @@ def mentions(
                         _mentions_in(pattern, fh.read, found)
                 except OSError:
                     continue
-    changed = {r["path"] for r in changes(".", git, base)[0]}
     for path, (mode, sha) in sorted(base_tree(git, base).items()):
         if mode in ("160000", "120000"):  # a submodule, a symlink: no text of code
             continue
@@ -566,6 +568,7 @@ def main(request_path: str) -> int:
                 git,
                 req["base"],
                 req.get("extra_dirs", []),
+                set(req["changed"]),
                 links=req.get("links", True),
             )
             result = {"mentioned": found}

@@ -476,7 +476,8 @@ async def _judge_tree(
         # New names that are no test's: refused only where a text the patch did not write
         # names them as an import (a runner can try only a name it knows: round 100's new
         # module `page_window.py` was refused beside round 64's `ipdb.py`).
-        mentioned = await _mentioned(sandbox, task, asked, base, links=links)
+        changed = [r["path"] for r in found["changes"]]
+        mentioned = await _mentioned(sandbox, task, asked, base, changed, links=links)
         rules = functools.partial(rules, mentioned=mentioned)
         flagged = await asyncio.to_thread(rules, found["changes"])
     bad = [(p, why) for p, why in flagged if why != TEST_ADDED]
@@ -522,7 +523,13 @@ MAX_ASKED = 16
 
 
 async def _mentioned(
-    sandbox: Sandbox, task: Task, asked: set[str], base: str, *, links: bool = True
+    sandbox: Sandbox,
+    task: Task,
+    asked: set[str],
+    base: str,
+    changed: list[str],
+    *,
+    links: bool = True,
 ) -> set[str]:
     """The names of ``asked`` that code other than the patch's could import by name: named as
     an import in the environment's files, the repository's base files, the hidden tests or
@@ -536,6 +543,7 @@ async def _mentioned(
         names=names,
         base=base,
         extra_dirs=[GRADE_DIR],
+        changed=changed,
         links=links,
     )
     texts = "\n".join([task.test_patch, task.test_cmd, *task.FAIL_TO_PASS, *task.PASS_TO_PASS])
