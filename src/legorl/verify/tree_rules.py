@@ -286,6 +286,12 @@ def judge(
     return out
 
 
+def _code(parts: list[str], *, link: bool) -> bool:
+    """Whether a path (its ``parts``) can be code an import runs: a symlink (whatever it leads
+    to), or a module file by a suffix of any of its parts; anything else is data."""
+    return link or any(p.endswith(MODULE_SUFFIXES) for p in parts)
+
+
 def _code_tops(rows: list[dict[str, Any]], root: str) -> set[str | None]:
     """The top-level names below ``root`` that the changed paths give code to: a module file
     (by its name's suffix, at any depth) or a symlink. A new folder that holds neither is data
@@ -298,9 +304,9 @@ def _code_tops(rows: list[dict[str, Any]], root: str) -> set[str | None]:
         path, after = row["path"], row["after"]
         if after is None or not path.startswith(root):
             continue
-        rest = path[len(root) :]
-        if after[0] == SYMLINK or any(p.endswith(MODULE_SUFFIXES) for p in rest.split("/")):
-            out.add(_module_name(rest, link=after[0] == SYMLINK))
+        rest, link = path[len(root) :], after[0] == SYMLINK
+        if _code(rest.split("/"), link=link):
+            out.add(_module_name(rest, link=link))
     return out
 
 
@@ -360,7 +366,7 @@ def _inert(
     none. No package's ``__init__`` is inert, nor a module in a package's folder: a framework
     imports a package's members by walking it, whatever their names (Django's template tag
     libraries, round 65)."""
-    if not link and not any(p.endswith(MODULE_SUFFIXES) for p in parts):
+    if not _code(parts, link=link):
         # data, in whatever folders and by whatever name (round 99: ``__init__.json``): no
         # import runs it (round 98, `_code_tops`)
         return True
