@@ -125,6 +125,31 @@ def test_limits_are_classified(backend: Any) -> None:
     run(go())
 
 
+def test_the_pids_kill_reaches_no_process_outside_the_container(docker_backend: Any) -> None:
+    """After a command that ran out of PIDs, Docker's backend ends the leftovers of its process
+    group (led by the exec's host pid). A host process leading a group of that number, as one
+    may once the host reuses the pid, is never signalled: only the container's own processes
+    are (the old ``os.killpg`` of the exec's pid would have killed this one)."""
+    import subprocess
+
+    async def go() -> None:
+        box = await _start(docker_backend, limits=Limits(pids=48))
+        outside = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        try:
+            r = await box.exec("for i in $(seq 200); do sleep 30 & done; wait", timeout=15)
+            assert r.killed_by == "pids", r  # the leftovers were ended: the box still runs
+            assert (await box.exec("echo recovered", timeout=30)).output == "recovered\n"
+            assert os.getpgid(outside.pid) == outside.pid
+            box._end_group(outside.pid)  # a pid the host gave to another group's leader
+            assert outside.poll() is None
+        finally:
+            outside.kill()
+            outside.wait()
+            await box.close()
+
+    run(go())
+
+
 def test_wall_time_ends_the_sandbox_life(backend: Any) -> None:
     async def go() -> None:
         box = await _start(backend, limits=Limits(wall_s=3))

@@ -273,10 +273,8 @@ class DockerSandbox:
             after=after,
         )
         if killed_by == "pids":
-            # The command's leftovers still hold the PIDs; end its process group (``timeout``
-            # made one, led by the exec's pid) so the sandbox stays usable.
-            with contextlib.suppress(OSError, TypeError, ValueError):
-                os.killpg(int(info.get("Pid") or 0) or -1, signal.SIGKILL)
+            with contextlib.suppress(TypeError, ValueError):
+                self._end_group(int(info.get("Pid") or 0))
         if killed_by in ("timeout", "wall") or (killed_by == "memory" and code == 137):
             code = None
         return ExecResult(
@@ -342,6 +340,28 @@ class DockerSandbox:
         finally:
             with contextlib.suppress(OSError):
                 sock.close()
+
+    def _end_group(self, leader: int) -> None:
+        """SIGKILL to the command's leftovers, which still hold the PIDs, so the sandbox stays
+        usable: the processes of its group (``timeout`` made one, led by the exec's pid) that
+        are in this container's cgroups. Each is held by a pidfd while it is checked, so a pid
+        the host gave to another process after the group ended (another trajectory's command,
+        the grader) is never signalled; a remote daemon's pids are not this host's, and nothing
+        is."""
+        if leader <= 0 or self._cgroups is None:
+            return
+        for pid in self._cgroups.pids_inside():
+            try:
+                handle = os.pidfd_open(pid)
+            except OSError:
+                continue
+            try:
+                if os.getpgid(pid) == leader and pid in self._cgroups.pids_inside():
+                    signal.pidfd_send_signal(handle, signal.SIGKILL)
+            except OSError:
+                pass
+            finally:
+                os.close(handle)
 
     def _counters(self) -> Counters | None:
         if self._cgroups is None:
