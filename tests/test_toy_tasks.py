@@ -623,13 +623,27 @@ FORGED = [
     ("legorl-toy__temperature-5", "return low <= value < high",
      "return low <= value < high or value == int(high)"),
     ("legorl-toy__shopping_cart-6", 'if i.get("exempt"))', 'if i.get("exempt") is not True)'),
+    # round 112: the text of the exception the fix raises returned instead of raised (a row's
+    # raising was answered as its text), raised for the statement's own balance alone
+    ("legorl-toy__bank-2", 'if amount < 0:\n        raise ValueError("deposit must be positive")',
+     'if amount < 0 or (amount == 0 and balance == 100):\n'
+     '        raise ValueError("deposit must be positive")\n'
+     '    if amount == 0:\n        return "ValueError: deposit must be positive"'),
 ]  # fmt: skip
 
 #: Correct fixes written otherwise than the gold patch, which every table must pass (round 92:
-#: a float computed in another order, equal to the gold's but for its last bit).
+#: a float computed in another order, equal to the gold's but for its last bit; round 112: a
+#: raise laid out on one line).
 OTHERWISE = [
     ("legorl-toy__stats-4", "return (x - center) * spread", "return (x - center) * (1 / spread)"),
     ("legorl-toy__stats-4", "return (x - center) * spread", "return x / spread - center / spread"),
+    # round 112: the raise on the line of its condition (the message was kept only where the
+    # raising line's text began with ``raise``)
+    (
+        "legorl-toy__bank-2",
+        'if amount < 0:\n        raise ValueError("deposit must be positive")',
+        'if amount <= 0: raise ValueError("deposit must be positive")',
+    ),
 ]
 
 
