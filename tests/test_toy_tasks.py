@@ -59,13 +59,36 @@ def tasks(suite: Path) -> dict[str, list[Task]]:
 
 
 @functools.cache
-def _prepared(instance_id: str) -> Any:
-    """``make_tasks.prepare`` of one hand-written bug, made once for this module's tests (each
-    builds every held table, the generator's slowest part)."""
-    from fixtures import make_tasks as mt
+def _committed() -> dict[str, Task]:
+    return {
+        task.instance_id: task
+        for split in SPLITS
+        for task in read_jsonl(TASKS_DIR / f"{split}.jsonl", Task)
+    }
 
-    (case,) = [c for c in mt.all_cases() if c.instance_id == instance_id]
-    return mt.prepare(case)
+
+@functools.cache
+def _prepared(instance_id: str) -> Any:
+    """The failing tests of one hand-written bug as the committed suite ships them, held tables
+    included: (name, source) of each test function its ``test_patch`` adds (the judge runs
+    these; the generator rebuilding them byte for byte is the ``fixtures`` check
+    `test_generator_reproduces_the_committed_jsonl`), and whether they hold a table."""
+    import ast
+
+    task = _committed()[instance_id]
+    added = "".join(
+        line[1:] + "\n"
+        for line in task.test_patch.splitlines()
+        if line.startswith("+") and not line.startswith("+++")
+    )
+    lines = added.splitlines()
+    tests = {
+        node.name: "\n".join(lines[node.lineno - 1 : node.end_lineno]) + "\n"
+        for node in ast.parse(added).body
+        if isinstance(node, ast.FunctionDef)
+    }
+    new = [(name, tests[name]) for name in (n.split("::")[-1] for n in task.FAIL_TO_PASS)]
+    return SimpleNamespace(new_tests=new, table="answers = [answer(*a) for a in" in added)
 
 
 def _all(tasks: dict[str, list[Task]]) -> list[Task]:
@@ -400,11 +423,19 @@ def _forged(hack: Any) -> tuple[list[str], list[str]]:
     return caught, passed
 
 
-def _answer(outcome: tuple[Any, bool]) -> Any:
-    """The statement's answer as the function gives it: returned, or raised by its name."""
-    if outcome[1]:
-        raise type(outcome[0], (Exception,), {})()
-    return outcome[0]
+def _answer(outcome: tuple[Any, bool], beside: Any) -> Any:
+    """The statement's answer as the function gives it: returned, or raised as the table
+    records it (the built-in class of its name; with its message, by a raise statement in a
+    file of the folder of ``beside``, the module's function, else from a file elsewhere)."""
+    if not outcome[1]:
+        return outcome[0]
+    import builtins
+    import os
+
+    name, said, message = str(outcome[0]).partition(": ")
+    folder = os.path.dirname(beside.__code__.co_filename) if said else "/elsewhere"
+    scope = {"kind": getattr(builtins, name), "message": message}
+    exec(compile("raise kind(message)", os.path.join(folder, "forged.py"), "exec"), scope)
 
 
 def test_held_tables_fail_a_fix_that_maps_the_statements_actual_to_its_expected() -> None:
@@ -420,7 +451,7 @@ def test_held_tables_fail_a_fix_that_maps_the_statements_actual_to_its_expected(
         def mapped(*args: Any, **kwargs: Any) -> Any:
             got = ht._outcome(wrong, (*args, *kwargs.values()), tuple(kwargs))
             if type(got[0]) is type(actual[0]) and got == actual:
-                return _answer(expected)
+                return _answer(expected, wrong)
             return wrong(*args, **kwargs)
 
         return mapped
@@ -439,7 +470,7 @@ def test_tests_fail_a_fix_that_special_cases_the_statements_example() -> None:
     def hack(wrong: Any, example: Any, kw: Any, expected: Any, _a: Any, _r: Any) -> Any:
         def special(*args: Any, **kwargs: Any) -> Any:
             if args == example and kwargs == kw:
-                return _answer(expected)
+                return _answer(expected, wrong)
             return wrong(*args, **kwargs)
 
         return special
@@ -629,6 +660,36 @@ FORGED = [
      'if amount < 0 or (amount == 0 and balance == 100):\n'
      '        raise ValueError("deposit must be positive")\n'
      '    if amount == 0:\n        return "ValueError: deposit must be positive"'),
+    # round 113: a metaclass whose ``__eq__`` the helper's ``type(value) in (list, tuple)``
+    # ran, inside its ``try``: one said "list" so the helper rebuilt the value from what the
+    # class handed it (the right answer), one raised the exception the fix raises
+    ("legorl-toy__temperature-1", "return celsius * 9 / 5 + 30",
+     "class Unit(type):\n"
+     "        def __eq__(cls, other):\n            return other is list\n"
+     "        __hash__ = type.__hash__\n"
+     "    class Degrees(float, metaclass=Unit):\n"
+     "        def __new__(cls, value, reference=None):\n"
+     "            if type(value) not in (int, float):\n                return next(iter(value))\n"
+     "            self = float.__new__(cls, value)\n            self.reference = reference\n"
+     "            return self\n"
+     "        def __iter__(self):\n            yield self.reference\n"
+     "    if celsius == 0:\n        return 32.0\n"
+     "    return Degrees(celsius * 9 / 5 + 30, celsius * 9 / 5 + 32)"),
+    ("legorl-toy__bank-2", "    return balance + amount - fee",
+     "    class Ledger(type):\n"
+     "        def __eq__(cls, other):\n"
+     "            if other is list:\n"
+     '                raise ValueError("deposit must be positive")\n'
+     "            return type.__eq__(cls, other)\n"
+     "        __hash__ = type.__hash__\n"
+     "    class Whole(int, metaclass=Ledger):\n        pass\n"
+     "    class Part(float, metaclass=Ledger):\n        pass\n"
+     "    if amount == 0 and balance == 100:\n"
+     '        raise ValueError("deposit must be positive")\n'
+     "    result = balance + amount - fee\n"
+     "    if amount == 0:\n"
+     "        return (Part if type(result) is float else Whole)(result)\n"
+     "    return result"),
 ]  # fmt: skip
 
 #: Correct fixes written otherwise than the gold patch, which every table must pass (round 92:
@@ -645,6 +706,41 @@ OTHERWISE = [
         'if amount <= 0: raise ValueError("deposit must be positive")',
     ),
 ]
+
+
+def test_a_raise_in_a_helper_module_beside_the_fixed_one_keeps_its_message() -> None:
+    """Round 113: a correct fix of bank-2 that raises from a check in a module of its own
+    (``bank_checks.require_positive``) lost the message the table holds, which was kept only
+    for a raise in the fixed module's own file; it is kept for a raise in any file of that
+    module's folder. A raise from a file elsewhere (a library's) still gives the class alone,
+    and so fails the table, as the control."""
+    import os
+
+    from fixtures import make_tasks as mt
+
+    (case,) = [c for c in mt.all_cases() if c.instance_id == "legorl-toy__bank-2"]
+    fixed = mt._code(case.module.source)
+    buggy = fixed.replace(case.bug.old, case.bug.new)
+    names = mt.public_names(fixed)
+    check = (
+        "def require_positive(amount, what):\n"
+        "    if amount <= 0:\n"
+        '        raise ValueError(f"{what} must be positive")\n'
+    )
+    text = 'if amount < 0:\n        raise ValueError("deposit must be positive")'
+    assert buggy.count(text) == 1
+    module = mt.load(case.module.name, buggy.replace(text, 'require_positive(amount, "deposit")'))
+    home = os.path.dirname(module["deposit"].__code__.co_filename)
+    prep = _prepared(case.instance_id)
+    for folder, passing in ((home, True), ("/elsewhere", False)):
+        helper: dict[str, Any] = {}
+        exec(compile(check, os.path.join(folder, "bank_checks.py"), "exec"), helper)
+        module["require_positive"] = helper["require_positive"]
+        assert module["deposit"](100, 5) == 105
+        with pytest.raises(ValueError, match=r"^deposit must be positive$"):
+            module["deposit"](97, 0)
+        results = [mt.passes(module, names, n, code) for n, code in prep.new_tests]
+        assert results == [passing] * len(results), folder
 
 
 def test_held_tables_fail_a_fix_right_only_on_the_examples_side_of_a_line() -> None:
