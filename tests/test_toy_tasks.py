@@ -690,6 +690,13 @@ FORGED = [
      "    if amount == 0:\n"
      "        return (Part if type(result) is float else Whole)(result)\n"
      "    return result"),
+    # with round 113's fix: an exception class of the module's own called ValueError, which a
+    # caller's ``except ValueError`` does not catch, raised for every zero but the example's
+    ("legorl-toy__bank-2", 'if amount < 0:\n        raise ValueError("deposit must be positive")',
+     'if amount < 0 or (amount == 0 and balance == 100):\n'
+     '        raise ValueError("deposit must be positive")\n'
+     '    if amount == 0:\n'
+     '        raise type("ValueError", (Exception,), {})("deposit must be positive")'),
 ]  # fmt: skip
 
 #: Correct fixes written otherwise than the gold patch, which every table must pass (round 92:
@@ -704,6 +711,24 @@ OTHERWISE = [
         "legorl-toy__bank-2",
         'if amount < 0:\n        raise ValueError("deposit must be positive")',
         'if amount <= 0: raise ValueError("deposit must be positive")',
+    ),
+    # round 114: the fix behind ``functools.lru_cache``, which has no ``__code__`` (the helper
+    # read the module's folder from it, and raised)
+    (
+        "legorl-toy__validators-9",
+        "def luhn_ok(number):\n"
+        '    """Return True when the digit string passes the Luhn checksum."""\n'
+        "    total = 0\n"
+        "    for i, ch in enumerate(reversed(number)):\n"
+        "        d = int(ch)\n"
+        "        if i % 2 == 0:",
+        "@__import__('functools').lru_cache(maxsize=None)\n"
+        "def luhn_ok(number):\n"
+        '    """Return True when the digit string passes the Luhn checksum."""\n'
+        "    total = 0\n"
+        "    for i, ch in enumerate(reversed(number)):\n"
+        "        d = int(ch)\n"
+        "        if i % 2 == 1:",
     ),
 ]
 
