@@ -697,6 +697,9 @@ FORGED = [
      '        raise ValueError("deposit must be positive")\n'
      '    if amount == 0:\n'
      '        raise type("ValueError", (Exception,), {})("deposit must be positive")'),
+    # round 114: a slip where the two sides are equal, away from the equal sides the rows had
+    ("legorl-toy__geometry-6", "width >= 0", "width != 0"),
+    ("legorl-toy__geometry-6", "width >= 0", "width >= 1"),
 ]  # fmt: skip
 
 #: Correct fixes written otherwise than the gold patch, which every table must pass (round 92:
