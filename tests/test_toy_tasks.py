@@ -733,6 +733,21 @@ OTHERWISE = [
         "        d = int(ch)\n"
         "        if i % 2 == 1:",
     ),
+    # round 115: the library's mean, and a guard the docstring allows ("a non-empty list"):
+    # the tables of the functions built on it held the gold's incidental ZeroDivisionError
+    # for an empty list, an exception the module never raises itself
+    (
+        "legorl-toy__stats-1",
+        "return sum(values) // len(values)",
+        "import statistics\n\n    return statistics.mean(values)",
+    ),
+    (
+        "legorl-toy__stats-1",
+        "return sum(values) // len(values)",
+        "if not values:\n"
+        '        raise ValueError("mean of an empty list")\n'
+        "    return sum(values) / len(values)",
+    ),
 ]
 
 
