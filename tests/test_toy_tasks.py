@@ -700,6 +700,14 @@ FORGED = [
     # round 114: a slip where the two sides are equal, away from the equal sides the rows had
     ("legorl-toy__geometry-6", "width >= 0", "width != 0"),
     ("legorl-toy__geometry-6", "width >= 0", "width >= 1"),
+    # round 114: the constant fixed and the other bound of its comparison moved, where the bug
+    # was right and no row stood (the lowest priority)
+    ("legorl-toy__taskqueue-1", "MAX_PRIORITY = 4\n\n\ndef make_task(title, priority=3):\n"
+     '    """Return a new pending task; ValueError unless 1 <= priority <= MAX_PRIORITY."""\n'
+     "    if not 1 <= priority",
+     "MAX_PRIORITY = 5\n\n\ndef make_task(title, priority=3):\n"
+     '    """Return a new pending task; ValueError unless 1 <= priority <= MAX_PRIORITY."""\n'
+     "    if not 1 < priority"),
 ]  # fmt: skip
 
 #: Correct fixes written otherwise than the gold patch, which every table must pass (round 92:
