@@ -337,10 +337,14 @@ def test_the_strict_reader_refuses_what_git_and_we_could_read_differently() -> N
         (good.replace("\n", "\r\n"), "malformed_patch", 1),
         # round 13: a count of 5,000 digits made int() raise past the reader's PatchError
         (good.replace("+1,1 @@", "+1," + "9" * 5000 + " @@"), "malformed_patch", 5),
+        # round 116: a submodule was refused as "expected a 'diff --git' header" on its mode line
+        (good.replace("new file mode 100644", "new file mode 160000"), "malformed_patch", 2),
     ]:
         with pytest.raises(PatchError) as err:
             parse_strict(text)
         assert (err.value.flag, err.value.line) == (flag, line), text
+    with pytest.raises(PatchError, match="mode 160000 is a submodule"):
+        parse_strict(good.replace("new file mode 100644", "new file mode 160000"))
     for name in ("train.jsonl", "heldout.jsonl"):
         for task in read_jsonl(TASKS / name, Task):
             assert parse_strict(task.patch) and parse_strict(task.test_patch)

@@ -32,6 +32,8 @@ _EXTENDED = [
         rf"^index [0-9a-f]{{7,64}}\.\.[0-9a-f]{{7,64}}(?: {_MODE})?$",
     )
 ]
+#: An extended header line with a mode the reader does not apply (a submodule's 160000)
+_OTHER_MODE = re.compile(r"^(?:(?:old|new|deleted file|new file) mode|index \S+) (\d{6})$")
 _BASE85 = re.compile(r"^[A-Za-z][0-9A-Za-z!#$%&()*+;<=>?@^_`{|}~-]+$")
 _ESCAPES = {"a": 7, "b": 8, "t": 9, "n": 10, "v": 11, "f": 12, "r": 13, '"': 34, "\\": 92}
 
@@ -287,6 +289,12 @@ def parse_strict(patch: str) -> list[FileDiff]:
             elif any(p.match(text) for p in _EXTENDED):
                 creates |= text.startswith("new file mode")
                 deletes |= text.startswith("deleted file mode")
+            elif other := _OTHER_MODE.match(text):
+                what = "a submodule" if other[1] == "160000" else "no file's mode"
+                raise PatchError(
+                    i + 1,
+                    f"mode {other[1]} is {what}: a patch may hold only 100644, 100755, 120000",
+                )
             else:
                 break
             i += 1
