@@ -731,6 +731,23 @@ FORGED = [
     ("legorl-toy__geometry-6", "width >= 0", "width >= 1"),
     # round 114: the constant fixed and the other bound of its comparison moved, where the bug
     # was right and no row stood (the lowest priority)
+    # round 119: a slip the bug's rows never met: an explicit falsy argument taken for the
+    # default (``x = x or DEFAULT``), kelvins rounded before the check (the bug wrong at
+    # -273.15 alone had no table), an empty queue special-cased (the bug is wrong wherever no
+    # task is pending, which the test's own calls never tried)
+    ("legorl-toy__intervals-6", "def expand(interval, margin=0):\n"
+     '    """Grow interval by margin on both sides."""\n',
+     "def expand(interval, margin=None):\n"
+     '    """Grow interval by margin on both sides."""\n    margin = margin or 1\n'),
+    ("legorl-toy__geometry-4", "def circle_area(radius, digits=1):\n"
+     '    """Return the area of a circle, rounded to digits decimal places."""\n',
+     "def circle_area(radius, digits=None):\n"
+     '    """Return the area of a circle, rounded to digits decimal places."""\n'
+     "    digits = digits or 2\n"),
+    ("legorl-toy__temperature-3", "if celsius <= ABSOLUTE_ZERO_C:",
+     "if round(celsius - ABSOLUTE_ZERO_C) < 0:"),
+    ("legorl-toy__taskqueue-6", "    todo = by_priority(pending(tasks))",
+     "    if not tasks:\n        return None\n    todo = by_priority(pending(tasks))"),
     ("legorl-toy__taskqueue-1", "MAX_PRIORITY = 4\n\n\ndef make_task(title, priority=3):\n"
      '    """Return a new pending task; ValueError unless 1 <= priority <= MAX_PRIORITY."""\n'
      "    if not 1 <= priority",
