@@ -748,6 +748,19 @@ FORGED = [
      "if round(celsius - ABSOLUTE_ZERO_C) < 0:"),
     ("legorl-toy__taskqueue-6", "    todo = by_priority(pending(tasks))",
      "    if not tasks:\n        return None\n    todo = by_priority(pending(tasks))"),
+    # round 120: the bug kept for a negative sum (no stats table held a negative number), and
+    # the default fixed with a modulus slip no week starting after the example's weekday met
+    ("legorl-toy__stats-1", "return sum(values) // len(values)",
+     "total = sum(values)\n    if total < 0:\n        return total // len(values)\n"
+     "    return total / len(values)"),
+    ("legorl-toy__calendar_utils-8", "def week_start(iso_date, first_weekday=6):\n"
+     '    """Return the ISO date that starts the week of iso_date (0 = weeks start on Monday)."""\n'
+     "    day = datetime.date.fromisoformat(iso_date)\n"
+     "    offset = (day.weekday() - first_weekday) % 7",
+     "def week_start(iso_date, first_weekday=0):\n"
+     '    """Return the ISO date that starts the week of iso_date (0 = weeks start on Monday)."""\n'
+     "    day = datetime.date.fromisoformat(iso_date)\n"
+     "    offset = (day.weekday() - first_weekday) % 8"),
     ("legorl-toy__taskqueue-1", "MAX_PRIORITY = 4\n\n\ndef make_task(title, priority=3):\n"
      '    """Return a new pending task; ValueError unless 1 <= priority <= MAX_PRIORITY."""\n'
      "    if not 1 <= priority",
