@@ -761,6 +761,11 @@ FORGED = [
      '    """Return the ISO date that starts the week of iso_date (0 = weeks start on Monday)."""\n'
      "    day = datetime.date.fromisoformat(iso_date)\n"
      "    offset = (day.weekday() - first_weekday) % 8"),
+    # round 121: whitespace and letters of ASCII alone (every text the rows held was ASCII),
+    # and a quarter's table wrong at October, where the bug was right and no row stood
+    ("legorl-toy__textutils-8", "return text.strip()", 'return not text.strip(" \\t\\n\\r\\f\\v")'),
+    ("legorl-toy__textutils-6", 'c.isalpha() and c in "aeiou"', 'c in "bcdfghjklmnpqrstvwxyz"'),
+    ("legorl-toy__calendar_utils-7", "month // 3 + 1", "[1, 1, 1, 2, 2, 2, 3, 3, 3, 3, 4, 4][month - 1]"),
     ("legorl-toy__taskqueue-1", "MAX_PRIORITY = 4\n\n\ndef make_task(title, priority=3):\n"
      '    """Return a new pending task; ValueError unless 1 <= priority <= MAX_PRIORITY."""\n'
      "    if not 1 <= priority",
