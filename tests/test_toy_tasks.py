@@ -313,8 +313,9 @@ def test_task_sources_are_read_from_files_and_a_bad_one_is_named(tmp_path: Path)
 
 def test_a_domain_bounds_a_tables_calls_and_a_bad_one_is_named(tmp_path: Path) -> None:
     """Round 118: each function's ``[domain]`` (the inputs its docstring answers for) bounds
-    the rows of its held tables; a domain naming no function of the module, or one that does
-    not compile, is refused naming the file and the key."""
+    the rows of its held tables; a domain naming no function of the module, one that does not
+    compile, one that is no string, or one whose function has a parameter hiding a word of the
+    vocabulary is refused naming the file and the key."""
     from fixtures import make_tasks as mt
     from fixtures.domains import inside
 
@@ -348,6 +349,14 @@ def test_a_domain_bounds_a_tables_calls_and_a_bad_one_is_named(tmp_path: Path) -
         spec.write_text(text.replace(line, bad))
         with pytest.raises(mt.SpecError, match=re.escape(f"{spec}: {message}")):
             mt.read_module(folder)
+    spec.write_text(text)  # a parameter named like a word the expressions use
+    code = folder / "taskqueue.py"
+    code.write_text(
+        code.read_text().replace("def batch(tasks, size):", "def batch(tasks, is_text):")
+    )
+    hidden = f"{spec}: domain.batch: a parameter hides the vocabulary's is_text"
+    with pytest.raises(mt.SpecError, match=re.escape(hidden)):
+        mt.read_module(folder)
 
 
 def test_a_table_call_times_out_on_its_own_cpu_not_another_threads() -> None:
